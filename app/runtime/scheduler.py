@@ -1,0 +1,348 @@
+"""The engine thread: owns the llama_context and runs one batched step at a time over all slots.
+
+Each step is schedule -> execute -> update:
+  1. take new requests and cancellations, give waiting requests idle slots (longest common prefix first);
+  2. build ONE batch: every generating slot's pending token first (so inter-token latency stays flat), then
+     prompt chunks, oldest request first, until n_batch tokens are used (the prefill rule: first come, first
+     served, each step's prompt work bounded by n_batch);
+  3. decode (the GIL is released), sample every output (on the device where the request allows it), and hand
+     the new token ids to the requests' handles in one call onto the event loop.
+Text work (detokenizing, stop strings, JSON, SSE) happens on the event loop while the next step runs here.
+
+Thread contract: every method whose name does not start with `submit`/`cancel`/`stop` runs on this thread only.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from app.engine import Batch, Context, DecodeError, Model
+from app.runtime.api import FinishReason, GenerationRequest, Timings
+from app.runtime.sampling import ProbReporter, build_chain, needs_host
+from app.runtime.slots import Slot, SlotState, Task, pick_slot
+
+log = logging.getLogger("app.runtime")
+
+# Messages from this thread to a request handle (tuples keep the per-token cost low):
+#   ("tokens", [token, ...], [TokenProb, ...] | None)
+#   ("prompt", n_prompt_processed, n_cached, t_prompt_ms, id_slot)
+#   ("embedding", [float, ...])
+#   ("done", FinishReason, Timings, id_slot, stopped_eos, truncated, error_message | None)
+Message = tuple
+
+
+class Scheduler:
+    """Slot scheduler over one context. Created and run on the engine thread."""
+
+    def __init__(self, model: Model, ctx: Context, n_slots: int, *, device_sampling: bool,
+                 cache_prompt: bool, structured: Callable[[Any], Any] | None = None):
+        self.model = model
+        self.ctx = ctx
+        self.vocab = model.vocab
+        self.n_batch = ctx.n_batch
+        n_ctx_slot = ctx.n_ctx // n_slots
+        self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
+        self.device_sampling = device_sampling
+        self.cache_prompt = cache_prompt
+        self.make_matcher = structured
+        self.batch = Batch(self.n_batch, n_seq_max=1)
+        self.waiting: collections.deque[Task] = collections.deque()
+        self.outbox: list[tuple[Callable, Message]] = []
+        self.n_steps = 0
+        self.n_tokens_decoded = 0
+        self.n_prompt_total = 0
+        self.n_gen_total = 0
+        self.t_prompt_total = 0.0
+        self.t_gen_total = 0.0
+
+    # ---- admission ------------------------------------------------------------------------------------
+
+    def admit(self, task: Task) -> None:
+        self.waiting.append(task)
+
+    def _drop_cancelled(self) -> None:
+        if any(t.cancelled for t in self.waiting):
+            self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
+        for slot in self.slots:
+            if slot.task is not None and slot.task.cancelled:
+                self._release(slot)
+
+    def _assign(self) -> None:
+        deferred = []
+        while self.waiting:
+            task = self.waiting.popleft()
+            use_cache = self.cache_prompt and task.req.cache_prompt
+            picked = pick_slot(self.slots, task.prompt, task.req.id_slot, use_cache)
+            if picked is None:
+                deferred.append(task)
+                if task.req.id_slot < 0:
+                    break  # no idle slot at all: the rest waits too
+                continue
+            slot, n_keep = picked
+            try:
+                self._start(slot, task, n_keep)
+            except Exception as e:  # noqa: BLE001 - a bad request (e.g. its schema) must not stop the engine
+                slot.task = task
+                self._finish(slot, FinishReason.ERROR, time.perf_counter(), error=f"invalid request: {e}")
+        self.waiting.extendleft(reversed(deferred))
+
+    def _start(self, slot: Slot, task: Task, n_keep: int) -> None:
+        # At least one prompt token must be decoded to get logits for the first sampled token.
+        n_keep = min(n_keep, len(task.prompt) - 1)
+        if task.embedding:
+            n_keep = 0
+        if not self.ctx.seq_rm(slot.id, n_keep, -1):
+            # Recurrent/SWA state can't be cut at an arbitrary position: start this sequence afresh.
+            self.ctx.seq_rm(slot.id, 0, -1)
+            n_keep = 0
+        del slot.tokens[n_keep:]
+        task.n_past_prompt = task.n_cached = n_keep
+        task.t_start = time.perf_counter()
+        if not task.embedding:
+            self._setup_sampling(slot, task)
+        slot.task = task
+        slot.state = SlotState.PREFILL
+
+    def _setup_sampling(self, slot: Slot, task: Task) -> None:
+        p = task.req.sampling
+        on_device = self.device_sampling and not needs_host(p)
+        chain = build_chain(p, self.vocab, for_device=on_device)
+        if on_device:
+            task.device_sampler = chain
+            if not self.ctx.set_backend_sampler(slot.id, chain):
+                log.debug("slot %d: backend sampler refused, sampling on the host", slot.id)
+                task.device_sampler, task.host_sampler = None, chain
+        else:
+            task.host_sampler = chain
+            if self.device_sampling:
+                self.ctx.set_backend_sampler(slot.id, None)
+        if p.n_probs > 0:
+            task.probs = ProbReporter(p.n_probs, self.vocab)
+        if p.json_schema is not None and self.make_matcher is not None:
+            task.structured = self.make_matcher(p.json_schema)
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(not s.idle for s in self.slots)
+
+    def step(self) -> list[tuple[Callable, Message]]:
+        """Run one engine step; return the messages for the event loop."""
+        self._drop_cancelled()
+        self._assign()
+        outputs = self._build_batch()
+        if self.batch.n_tokens:
+            try:
+                self.ctx.decode(self.batch)
+            except DecodeError as e:
+                self._fail_batch(outputs, str(e))
+            else:
+                self.n_steps += 1
+                self.n_tokens_decoded += self.batch.n_tokens
+                self._after_decode(outputs)
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _build_batch(self) -> list[tuple[Slot, int]]:
+        b = self.batch
+        b.clear()
+        outputs: list[tuple[Slot, int]] = []
+        for slot in self.slots:
+            task = slot.task
+            if slot.state is SlotState.GENERATING and task is not None and task.pending is not None:
+                outputs.append((slot, b.n_tokens))
+                b.add(task.pending, len(slot.tokens), slot.id, True)
+                slot.tokens.append(task.pending)
+                task.pending = None
+        budget = self.n_batch - b.n_tokens
+        prefill = sorted((s for s in self.slots if s.state is SlotState.PREFILL), key=lambda s: s.task.t_arrival)
+        for slot in prefill:
+            if budget <= 0:
+                break
+            task = slot.task
+            chunk = task.prompt[task.n_past_prompt : task.n_past_prompt + budget]
+            last = task.n_past_prompt + len(chunk) == len(task.prompt)
+            b.add_many(chunk, len(slot.tokens), slot.id, logits_last=last)
+            if last:
+                outputs.append((slot, b.n_tokens - 1))
+            slot.tokens.extend(chunk)
+            task.n_past_prompt += len(chunk)
+            budget -= len(chunk)
+        return outputs
+
+    def _after_decode(self, outputs: list[tuple[Slot, int]]) -> None:
+        now = time.perf_counter()
+        for slot, i in outputs:
+            task = slot.task
+            if slot.state is SlotState.PREFILL:
+                task.t_first = now
+                n_new = len(task.prompt) - task.n_cached
+                self.n_prompt_total += n_new
+                self.t_prompt_total += now - task.t_start
+                self._post(task, ("prompt", n_new, task.n_cached, (now - task.t_start) * 1e3, slot.id))
+                if task.embedding:
+                    self._emit_embedding(slot, task, i, now)
+                    continue
+                slot.state = SlotState.GENERATING
+            token, prob = self._sample(slot, task, i)
+            self._on_token(slot, task, token, prob, now)
+
+    def _emit_embedding(self, slot: Slot, task: Task, i: int, now: float) -> None:
+        vec = self.ctx.embeddings_seq(slot.id)
+        if vec is None:  # no pooling: the last token's state stands for the input
+            vec = self.ctx.embeddings_ith(i)
+        self._post(task, ("embedding", [float(x) for x in vec]))
+        # Embedding inputs are not cached: the next request starts this sequence afresh.
+        self.ctx.seq_rm(slot.id, 0, -1)
+        slot.tokens.clear()
+        self._finish(slot, FinishReason.STOP, now)
+
+    def _sample(self, slot: Slot, task: Task, i: int) -> tuple[int, Any]:
+        if task.device_sampler is not None:
+            token = self.ctx.sampled_token_ith(i)
+            task.device_sampler.accept(token)
+            return token, None
+        logits = self.ctx.logits_ith(i)
+        prob_logits = logits.copy() if task.probs is not None else None
+        if task.structured is not None:
+            task.structured.mask(logits)
+        token = task.host_sampler.sample(self.ctx, i)
+        if task.structured is not None:
+            task.structured.accept(token)
+        prob = task.probs.report(prob_logits, token) if task.probs is not None else None
+        return token, prob
+
+    def _on_token(self, slot: Slot, task: Task, token: int, prob: Any, now: float) -> None:
+        req = task.req
+        eog = self.vocab.is_eog(token) and not req.sampling.ignore_eos
+        task.n_generated += 1
+        if eog:
+            self._finish(slot, FinishReason.STOP, now, stopped_eos=True)
+            return
+        self._post(task, ("tokens", [token], [prob] if prob is not None else None))
+        if req.n_predict >= 0 and task.n_generated >= req.n_predict:
+            self._finish(slot, FinishReason.LENGTH, now)
+        elif len(slot.tokens) + 1 >= slot.n_ctx:
+            self._finish(slot, FinishReason.LENGTH, now, truncated=True)
+        elif task.structured is not None and task.structured.done():
+            self._finish(slot, FinishReason.STOP, now)
+        else:
+            task.pending = token
+
+    # ---- finishing ------------------------------------------------------------------------------------
+
+    def _finish(self, slot: Slot, reason: FinishReason, now: float, *, stopped_eos: bool = False,
+                truncated: bool = False, error: str | None = None) -> None:
+        task = slot.task
+        t_gen = (now - task.t_first) if task.t_first else 0.0
+        self.n_gen_total += task.n_generated
+        self.t_gen_total += t_gen
+        timings = Timings(
+            n_prompt=len(task.prompt) - task.n_cached,
+            n_cached=task.n_cached,
+            n_predicted=task.n_generated,
+            t_prompt_ms=((task.t_first or now) - task.t_start) * 1e3,
+            t_predicted_ms=t_gen * 1e3,
+        )
+        self._post(task, ("done", reason, timings, slot.id, stopped_eos, truncated, error))
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        task = slot.task
+        if task is not None:
+            if task.pending is not None:
+                task.pending = None
+            task.close()
+        slot.task = None
+        slot.state = SlotState.IDLE
+        slot.t_last_used = time.perf_counter()
+
+    def _fail_batch(self, outputs: list[tuple[Slot, int]], message: str) -> None:
+        # A failed decode leaves the KV of the batch's sequences undefined: drop them and their caches.
+        now = time.perf_counter()
+        log.error("decode failed: %s", message)
+        for slot in self.slots:
+            if slot.task is not None and slot.state is not SlotState.IDLE:
+                self.ctx.seq_rm(slot.id, 0, -1)
+                slot.tokens.clear()
+                self._finish(slot, FinishReason.ERROR, now, error=f"the engine failed to decode: {message}")
+
+    def fail_all(self, message: str) -> list[tuple[Callable, Message]]:
+        now = time.perf_counter()
+        for slot in self.slots:
+            if slot.task is not None:
+                self._finish(slot, FinishReason.ERROR, now, error=message)
+        for task in self.waiting:
+            self._post(task, ("done", FinishReason.ERROR, Timings(), -1, False, False, message))
+        self.waiting.clear()
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _post(self, task: Task, msg: Message) -> None:
+        self.outbox.append((task.post, msg))
+
+
+def run_engine_thread(sched_factory: Callable[[], Scheduler], inbox: "Inbox",
+                      deliver: Callable[[list], None], on_ready: Callable[[Any, BaseException | None], None]) -> None:
+    """Body of the engine thread: build the scheduler (model load), then loop until stopped."""
+    try:
+        sched = sched_factory()
+    except BaseException as e:  # noqa: BLE001 - reported to the loop, which shows it to clients
+        on_ready(None, e)
+        return
+    on_ready(sched, None)
+    try:
+        while True:
+            tasks = inbox.take(block=not sched.has_work())
+            if tasks is None:
+                break
+            for t in tasks:
+                sched.admit(t)
+            msgs = sched.step()
+            if msgs:
+                deliver(msgs)
+    except BaseException as e:  # noqa: BLE001
+        log.exception("engine thread failed")
+        deliver(sched.fail_all(f"the engine thread failed: {e}"))
+    finally:
+        on_ready(sched, StopIteration())
+
+
+class Inbox:
+    """Hand-over of new tasks from the event loop to the engine thread (and wake-ups for cancels)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: list[Task] = []
+        self._closed = False
+        self.n_pending = 0
+
+    def put(self, task: Task) -> None:
+        with self._cond:
+            self._items.append(task)
+            self.n_pending = len(self._items)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def take(self, block: bool) -> list[Task] | None:
+        with self._cond:
+            if block:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+            if self._closed:
+                return None
+            items, self._items = self._items, []
+            self.n_pending = 0
+            return items
