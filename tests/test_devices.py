@@ -29,7 +29,9 @@ class FakeNVMLError(Exception):
     pass
 
 
-def fake_nvml(n_gpus: int = 2, n_nvlinks: int = 4, init_error: str | None = None, broken: set[int] = frozenset()) -> ModuleType:
+def fake_nvml(
+    n_gpus: int = 2, n_nvlinks: int = 4, init_error: str | None = None, broken: frozenset[int] = frozenset()
+) -> ModuleType:
     """A stand-in for pynvml: n H200s, each pair joined by n_nvlinks direct NVLinks, under one host bridge."""
     m = ModuleType("pynvml")
     m.NVMLError = FakeNVMLError
@@ -190,7 +192,7 @@ def test_nvml_init_failure_is_a_status_not_an_error() -> None:
 
 
 def test_unreadable_gpu_is_skipped_and_named() -> None:
-    inv = discover(nvml=fake_nvml(broken={0}))
+    inv = discover(nvml=fake_nvml(broken=frozenset({0})))
     assert [g.vendor_index for g in inv.gpus] == [1]
     assert inv.gpus[0].index == 0
     assert "GPU 0: GPU is lost" in inv.backends[0].detail
@@ -276,7 +278,11 @@ def test_mapping_accepts_attribute_records_and_virtual_devices() -> None:
 
 
 def test_mapping_falls_back_to_names_and_says_so() -> None:
-    twins = [gpu(0, "NVIDIA H200", "0000:1b:00.0"), gpu(1, "NVIDIA H200", "0000:2a:00.0"), gpu(2, "NVIDIA GeForce RTX 4090", "0000:3c:00.0")]
+    twins = [
+        gpu(0, "NVIDIA H200", "0000:1b:00.0"),
+        gpu(1, "NVIDIA H200", "0000:2a:00.0"),
+        gpu(2, "NVIDIA GeForce RTX 4090", "0000:3c:00.0"),
+    ]
     engine = [
         {"name": "Vulkan0", "description": "NVIDIA GeForce RTX 4090", "type": "GPU"},
         {"name": "Vulkan1", "description": "NVIDIA H200", "type": "GPU"},
@@ -294,3 +300,20 @@ def test_exact_matches_win_over_name_guesses() -> None:
     ]
     matches = map_engine_devices(RIG, engine)
     assert [(m.gpu_index, m.matched_by) for m in matches] == [(None, "none"), (0, "pci_bus_id")]
+
+
+def test_mapping_reads_the_engine_list_devices_schema() -> None:
+    # The shape app.engine.list_devices() returns: lower-case type names, device_id from ggml's props.
+    engine = [
+        {"name": "CUDA0", "description": "NVIDIA GeForce RTX 4090", "type": "gpu",
+         "memory_free": 23 * GIB, "memory_total": 24 * GIB, "device_id": "0000:1b:00.0"},
+        {"name": "BLAS", "description": "OpenBLAS", "type": "accel", "memory_free": 0, "memory_total": 0,
+         "device_id": None},
+        {"name": "CPU", "description": "Xeon", "type": "cpu", "memory_free": 0, "memory_total": 0,
+         "device_id": None},
+    ]
+    assert [(m.gpu_index, m.matched_by) for m in map_engine_devices(RIG, engine)] == [
+        (0, "pci_bus_id"),
+        (None, "host"),
+        (None, "host"),
+    ]

@@ -93,4 +93,5 @@ def map_engine_devices(gpus: Sequence[GpuInfo], engine_devices: Sequence[Any]) -
 def gpus_in_engine_order(gpus: Sequence[GpuInfo], engine_devices: Sequence[Any]) -> list[GpuInfo | None]:
     """GpuInfo for each engine device, in the engine's order (None for CPU or unknown devices)."""
     by_index = {g.index: g for g in gpus}
-    return [by_index.get(m.gpu_index) if m.gpu_index is not None else None for m in map_engine_devices(gpus, engine_devices)]
+    matches = map_engine_devices(gpus, engine_devices)
+    return [by_index.get(m.gpu_index) if m.gpu_index is not None else None for m in matches]

