@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import fcntl
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -139,6 +140,7 @@ class EngineOptions:
     patches_dir: Path = NATIVE / "patches"
     include_dir: Path = NATIVE / "include"
     upstream_toml: Path = NATIVE / "upstream.toml"
+    amx: bool = False  # x86 AMX kernels; off by default, see _no_amx_flags()
     source: Path | None = None  # a tree written by --export-source, instead of the sdist
     compiler_id: str | None = None  # detected when None; tests pass a fixed value
 
@@ -240,6 +242,27 @@ def detect_cuda_arch() -> str | None:
     return ";".join(caps) or None
 
 
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+@functools.lru_cache(maxsize=None)
+def _no_amx_flags() -> tuple[str, ...]:
+    """Compiler flags that keep -march=native from enabling ggml's AMX kernels on x86 hosts that have AMX.
+
+    At the pinned commit the AMX matmul segfaults on Q4_K_M models (upstream issue 20824, closed without a
+    fix): llama-server and llama-completion crash on the default model on our AMX Xeon machines, and
+    they only run with --no-repack. `build.py engine --with-amx` turns the kernels back on. Explicit
+    -mno-* flags win over -march=native whatever their order, so CMAKE_<LANG>_FLAGS is enough.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    probe = subprocess.run([os.environ.get("CXX", "c++"), *_NO_AMX.split(), "-x", "c++", "-E", "-"],
+                           input="", capture_output=True, text=True) if shutil.which(os.environ.get("CXX", "c++")) else None
+    if probe is None or probe.returncode != 0:  # a compiler too old to know AMX never enables it
+        return ()
+    return (f"CMAKE_C_FLAGS={_NO_AMX}", f"CMAKE_CXX_FLAGS={_NO_AMX}")
+
+
 def cmake_flags(opts: EngineOptions) -> list[str]:
     """The -D flags that shape the build (paths and launchers excluded so the key stays portable)."""
     up = read_upstream(opts.upstream_toml)["upstream"]
@@ -254,6 +277,8 @@ def cmake_flags(opts: EngineOptions) -> list[str]:
         f"LLAMA_BUILD_COMMIT={up['commit']}", "LLAMA_BUILD_NUMBER=0",
         "GGML_CCACHE=OFF",  # build.py sets the compiler launcher itself
     ]
+    if not opts.amx:
+        flags += list(_no_amx_flags())
     if opts.backend == "cuda":
         flags.append("GGML_CUDA=ON")
         if opts.cuda_arch:
@@ -349,7 +374,9 @@ def extract_subfolder(tarball: Path, subfolder: str, dest: Path) -> int:
             if not rest.startswith(prefix) or not _safe_rel(rest):
                 continue
             inner = rest[len(prefix):]
-            if not inner:
+            # The vendored folder is a git submodule: its `.git` file points into the sdist's own (absent)
+            # repository and would make git (apply, CMake's build-info) fail inside the tree.
+            if not inner or inner.split("/")[0] == ".git":
                 continue
             target = dest / inner
             if member.isdir():
@@ -396,13 +423,23 @@ def apply_patches(tree: Path, patches: list[Path], log: Path, tool: str | None =
 def prepare_source(cache: Path, opts: EngineOptions, venv_python: Path | None = None) -> Path:
     """The extracted, patched tree for opts, from the content-addressed cache when already made."""
     if opts.source is not None:
-        read_manifest(opts.source)
+        manifest = read_manifest(opts.source)
+        if manifest.get("patch_series_sha256") != patch_series_hash(opts):
+            say(f"warning: {opts.source} was exported with patches {manifest.get('patches')}, which differ from "
+                f"{opts.patches_dir}; building the exported tree as it is")
         return opts.source.resolve()
     sid = pristine_source_id(opts)
     dest = cache / "src" / sid[:16]
     if (dest / SOURCE_MANIFEST).is_file():
         say(f"source {sid[:12]} cached")
         return dest
+    with CacheLock(cache, "source-" + sid[:16]):
+        if (dest / SOURCE_MANIFEST).is_file():
+            return dest
+        return _make_source(cache, opts, sid, dest, venv_python)
+
+
+def _make_source(cache: Path, opts: EngineOptions, sid: str, dest: Path, venv_python: Path | None) -> Path:
     sdist = fetch_sdist(cache, opts, venv_python)
     cfg = read_upstream(opts.upstream_toml)
     tmp = cache / "src" / f".tmp-{sid[:16]}-{os.getpid()}"
@@ -440,9 +477,9 @@ def run_logged(stage: str, cmd: list[str], log: Path, cwd: Path | None = None, e
         raise BuildError(stage, f"{cmd[0]} exited with {res.returncode}", log)
 
 
-def _toolchain_env(src: Path, in_cache: bool) -> dict:
+def _toolchain_env(src: Path, in_tree: bool) -> dict:
     env = dict(os.environ)
-    if in_cache and shutil.which("ccache"):
+    if in_tree and shutil.which("ccache"):
         # Paths relative to the source tree, so a patched tree under another key still hits ccache.
         env.setdefault("CCACHE_BASEDIR", str(src))
         env.setdefault("CCACHE_NOHASHDIR", "1")
@@ -454,9 +491,9 @@ def _toolchain_env(src: Path, in_cache: bool) -> dict:
 
 
 def configure_and_compile(src: Path, build_dir: Path, opts: EngineOptions, key: str, cache: Path,
-                          jobs: int, in_cache: bool) -> None:
+                          jobs: int, in_tree: bool) -> None:
     logs = cache / "logs"
-    env = _toolchain_env(src, in_cache)
+    env = _toolchain_env(src, in_tree)
     generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
     cached = build_dir / "CMakeCache.txt"
     if cached.is_file() and f"CMAKE_GENERATOR:INTERNAL={generator}" not in cached.read_text(errors="replace"):
@@ -571,11 +608,12 @@ def ensure_cdef(lib_dir: Path = LIB_DIR, cache: Path | None = None) -> None:
 
 
 class CacheLock:
-    """One engine build at a time per cache dir (a second process waits, then finds the result)."""
+    """An exclusive lock on one thing in the cache (a source tree, a build dir); a second process that wants
+    the same thing waits, then finds it done. Different keys build side by side."""
 
-    def __init__(self, cache: Path):
-        cache.mkdir(parents=True, exist_ok=True)
-        self.path = cache / ".lock"
+    def __init__(self, cache: Path, name: str):
+        (cache / "locks").mkdir(parents=True, exist_ok=True)
+        self.path = cache / "locks" / f"{name}.lock"
 
     def __enter__(self) -> CacheLock:
         self.f = open(self.path, "w")
@@ -619,13 +657,14 @@ def ensure_engine(opts: EngineOptions, cache: Path, jobs: int | None = None, for
     if opts.compiler_id is None:
         opts = dataclasses.replace(opts, compiler_id=detect_compiler_id(opts))
     keys = acceptable_keys(opts)
-    with CacheLock(cache):
-        entry = None if force else next((cache / "engines" / k for k in keys
-                                         if (cache / "engines" / k / "build-info.json").is_file()), None)
-        if entry is not None:
-            say(f"engine {entry.name[:12]} cached")
-        else:
-            entry = build_engine(opts, cache, jobs or os.cpu_count() or 2, venv_python)
+    entry = None if force else _cached_engine(cache, keys)
+    if entry is None:
+        with CacheLock(cache, "engine-" + keys[0][:16]):
+            entry = None if force else _cached_engine(cache, keys)  # built meanwhile by another process?
+            if entry is None:
+                entry = build_engine(opts, cache, jobs or os.cpu_count() or 2, venv_python)
+    else:
+        say(f"engine {entry.name[:12]} cached")
     with Stage("install", str(lib_dir)):
         install_into_app(entry, lib_dir)
         check_linkage(lib_dir)
@@ -633,16 +672,30 @@ def ensure_engine(opts: EngineOptions, cache: Path, jobs: int | None = None, for
     return read_build_info(lib_dir)
 
 
+def _cached_engine(cache: Path, keys: list[str]) -> Path | None:
+    return next((cache / "engines" / k for k in keys if (cache / "engines" / k / "build-info.json").is_file()), None)
+
+
 def build_engine(opts: EngineOptions, cache: Path, jobs: int, venv_python: Path | None) -> Path:
-    """configure + compile + collect into <cache>/engines/<key>/ (caller holds the cache lock)."""
+    """configure + compile + collect into <cache>/engines/<key>/ (the caller holds the engine-key lock)."""
     key = engine_key(opts)
     t0 = time.monotonic()
     src = prepare_source(cache, opts, venv_python)
     sid = source_id(opts)
     variant = opts.backend + "-" + sha256_json(cmake_flags(dataclasses.replace(opts, tools=False)))[:8]
     in_cache = opts.source is None
-    build_dir = src / BUILD_SUBDIR / variant if in_cache else cache / "build" / f"{sid[:16]}-{variant}"
-    configure_and_compile(src, build_dir, opts, key, cache, jobs, in_cache)
+    # Inside the tree when we may write there: ccache then sees the same relative paths for every tree
+    # (cache or export), so a changed patch or an exported copy recompiles only what differs.
+    in_tree = in_cache or os.access(src, os.W_OK)
+    build_dir = src / BUILD_SUBDIR / variant if in_tree else cache / "build" / f"{sid[:16]}-{variant}"
+    with CacheLock(cache, f"build-{sid[:16]}-{variant}"):  # the tools/no-tools variants share a build dir
+        configure_and_compile(src, build_dir, opts, key, cache, jobs, in_tree)
+        _collect(src, build_dir, opts, key, cache, in_cache, sid, t0)
+    return cache / "engines" / key
+
+
+def _collect(src: Path, build_dir: Path, opts: EngineOptions, key: str, cache: Path, in_cache: bool, sid: str,
+             t0: float) -> None:
     cfg = read_upstream(opts.upstream_toml)
     manifest = read_manifest(src)
     info = {
@@ -665,14 +718,13 @@ def build_engine(opts: EngineOptions, cache: Path, jobs: int, venv_python: Path 
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-    return final
 
 
 # --------------------------------------------------------------------------------------------- export
 
 # Top-level folders of upstream that configuring and building our targets never reads.
 _DROP_TOP = {"docs", "media", "tests", "examples", "pocs", "gguf-py", "conversion", "benches", "skills",
-             "requirements", "ci", "app", "grammars", ".github", ".devops", "licenses"}
+             "requirements", "ci", "app", "grammars", ".github", ".devops", "licenses", ".git"}
 # ggml backends we never enable; the ggml CMake only descends into enabled ones.
 _KEEP_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-hip", "ggml-musa", "ggml-blas", "ggml-rpc"}
 _UI_KEEP = {"CMakeLists.txt", "ui.cpp.in", "ui.h.in", "sources.cmake"}
@@ -699,48 +751,59 @@ def export_action(rel: str) -> str:
 
 
 def export_source(opts: EngineOptions, cache: Path, dest: Path, venv_python: Path | None = None) -> Path:
-    """Writes the patched, trimmed tree (vocab gzipped) to dest, checks its size and that CMake configures."""
-    with CacheLock(cache):
-        src = prepare_source(cache, dataclasses.replace(opts, source=None), venv_python)
+    """Writes the patched, trimmed tree (vocab gzipped) to dest, checks its size and that CMake configures.
+    The tree is written beside dest and renamed at the end, so an interrupted export leaves no half tree."""
+    src = prepare_source(cache, dataclasses.replace(opts, source=None), venv_python)
     dest = dest.resolve()
-    if dest.exists() and any(dest.iterdir()):
-        if not (dest / SOURCE_MANIFEST).is_file():
-            raise BuildError("export", f"{dest} exists and is not an earlier export; choose an empty folder")
-        shutil.rmtree(dest)
-    total = 0
-    with Stage("export", str(dest)) as st:
-        for path in sorted(src.rglob("*")):
-            rel = path.relative_to(src).as_posix()
-            action = export_action(rel)
-            if action == "drop" or path.is_dir():
-                continue
-            out = dest / rel
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if action == "gzip":
-                with open(path, "rb") as fin, open(str(out) + ".gz", "wb") as raw:
-                    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as fout:
-                        shutil.copyfileobj(fin, fout, 1 << 20)
-                total += os.path.getsize(str(out) + ".gz")
-            else:
-                _copy_entry(path, out)
-                total += out.lstat().st_size
-        st.note = f"{total / 2**20:.1f} MiB"
-        if total >= EXPORT_LIMIT:
-            raise BuildError("export", f"exported tree is {total / 2**20:.1f} MiB, over the 64 MiB limit")
-        manifest = read_manifest(src)
-        manifest.update(exported_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        trimmed=True, size_bytes=total, tree_digest=tree_digest(dest))
-        (dest / SOURCE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    check_dir = cache / "build" / f"export-check-{os.getpid()}"
-    with Stage("verify", "cmake configures the export (+tools)"):
-        try:
-            cmd = ["cmake", "-S", str(dest), "-B", str(check_dir)]
-            cmd += ["-G", "Ninja"] if shutil.which("ninja") else []
-            cmd += [f"-D{f}" for f in cmake_flags(dataclasses.replace(opts, tools=True))]
-            run_logged("verify", cmd, cache / "logs" / "export-configure.log")
-        finally:
-            shutil.rmtree(check_dir, ignore_errors=True)
+    if dest.exists() and any(dest.iterdir()) and not (dest / SOURCE_MANIFEST).is_file():
+        raise BuildError("export", f"{dest} exists and is not an earlier export; choose an empty folder")
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with Stage("export", str(dest)) as st:
+            total = _write_trimmed(src, tmp)
+            st.note = f"{total / 2**20:.1f} MiB"
+            if total >= EXPORT_LIMIT:
+                raise BuildError("export", f"exported tree is {total / 2**20:.1f} MiB, over the 64 MiB limit")
+            manifest = read_manifest(src)
+            manifest.update(exported_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            trimmed=True, size_bytes=total, tree_digest=tree_digest(tmp))
+            (tmp / SOURCE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        check_dir = cache / "build" / f"export-check-{os.getpid()}"
+        with Stage("verify", "cmake configures the export (+tools)"):
+            try:
+                cmd = ["cmake", "-S", str(tmp), "-B", str(check_dir)]
+                cmd += ["-G", "Ninja"] if shutil.which("ninja") else []
+                cmd += [f"-D{f}" for f in cmake_flags(dataclasses.replace(opts, tools=True))]
+                run_logged("verify", cmd, cache / "logs" / "export-configure.log")
+            finally:
+                shutil.rmtree(check_dir, ignore_errors=True)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _write_trimmed(src: Path, out_root: Path) -> int:
+    total = 0
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src).as_posix()
+        action = export_action(rel)
+        if action == "drop" or path.is_dir():
+            continue
+        out = out_root / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if action == "gzip":
+            out = out.with_name(out.name + ".gz")
+            with open(path, "rb") as fin, open(out, "wb") as raw:
+                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as fout:
+                    shutil.copyfileobj(fin, fout, 1 << 20)
+        else:
+            _copy_entry(path, out)
+        total += out.lstat().st_size
+    return total
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -809,6 +872,7 @@ def _engine_parser() -> argparse.ArgumentParser:
     p.add_argument("--hip", action="store_true", help="GGML_HIP=ON")
     p.add_argument("--hip-arch", metavar="gfxN", help="AMDGPU_TARGETS/GPU_TARGETS (implies --hip)")
     p.add_argument("--with-upstream-tools", action="store_true", help="also " + ", ".join(TOOLS))
+    p.add_argument("--with-amx", action="store_true", help="keep ggml's x86 AMX kernels (off: upstream bug, docs/build.md)")
     p.add_argument("-D", "--define", action="append", default=[], metavar="NAME=VALUE", help="extra CMake define")
     p.add_argument("--export-source", metavar="DIR", type=Path, help="write the patched, trimmed source tree; no build")
     p.add_argument("--source", metavar="DIR", type=Path, help="build from an exported tree (offline)")
@@ -828,7 +892,7 @@ def options_from_args(a: argparse.Namespace) -> EngineOptions:
         if "=" not in d:
             raise BuildError("options", f"-D {d}: expected NAME=VALUE")
     return EngineOptions(backend=backend, cuda_arch=a.cuda_arch, hip_arch=a.hip_arch, tools=a.with_upstream_tools,
-                         defines=tuple(a.define), source=a.source.resolve() if a.source else None)
+                         amx=a.with_amx, defines=tuple(a.define), source=a.source.resolve() if a.source else None)
 
 
 def cmd_engine(argv: list[str]) -> int:
@@ -845,6 +909,8 @@ def cmd_engine(argv: list[str]) -> int:
         say("app/_lib is up to date" if ok else "app/_lib does not match this request")
         return 0 if ok else 1
     t0 = time.monotonic()
+    if a.export_source and a.source:
+        raise BuildError("options", "--export-source exports from the sdist; it does not combine with --source")
     if a.export_source:
         dest = export_source(opts, cache, a.export_source)
         say(f"exported to {dest} in {time.monotonic() - t0:.1f}s; build there with "

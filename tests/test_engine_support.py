@@ -1,9 +1,8 @@
 """Shared fixtures and helpers of the engine tests (tests/test_engine*.py); holds no tests itself.
 
-The engine comes from app/_lib (`python3 build.py engine`). Before that exists, a developer build tree is
-used when present: libraries in DEV_LIB_DIR, with a cdef generated on the fly by native/gen_cdef.py from
-the pinned source headers. Otherwise every engine test is skipped with the command that fixes it.
-Models are tiny synthetic GGUFs from app.models.synth (f16, so no CPU repack path is involved).
+The engine is the one `python3 build.py engine` installed in app/_lib (conftest's `lib_dir` fixture skips
+the tests, naming that command, until it exists). Models are tiny synthetic GGUFs from app.models.synth
+(f16 weights, so the CPU repack paths are not involved).
 """
 
 from __future__ import annotations
@@ -14,24 +13,14 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-APP_LIB = REPO_ROOT / "app" / "_lib"
-DEV_LIB_DIR = Path("/tmp/eng-build/bin")
-PINNED_SOURCES = sorted(Path("/tmp/dl").glob("llama_cpp_python-*/vendor/llama.cpp"))
-N_THREADS = 2
+# One thread: CI boxes are small and shared, and ggml's spinning workers slow down badly when oversubscribed.
+N_THREADS = 1
 
 
-def header_dir(tmp: Path) -> Path | None:
-    """A flat folder with llama.h and the ggml headers: app/_lib/include or a copy of the pinned source's."""
-    if (APP_LIB / "include" / "llama.h").is_file():
-        return APP_LIB / "include"
-    for src in PINNED_SOURCES:
-        if (src / "include" / "llama.h").is_file():
-            flat = tmp / "include"
-            flat.mkdir(parents=True, exist_ok=True)
-            for h in [src / "include" / "llama.h", *(src / "ggml" / "include").glob("*.h")]:
-                (flat / h.name).write_bytes(h.read_bytes())
-            return flat
-    return None
+def header_dir(lib_dir: Path) -> Path | None:
+    """The installed engine headers (llama.h, ggml*.h, gguf.h), or None."""
+    inc = lib_dir / "include"
+    return inc if (inc / "llama.h").is_file() else None
 
 
 def gen_cdef_module():
@@ -44,17 +33,10 @@ def gen_cdef_module():
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory):
+def engine(lib_dir):
     """The app.engine package with its library loaded and backend_init() done."""
     import app.engine as E
 
-    if not ((APP_LIB / "libllama.so").is_file() and (APP_LIB / "cdef.h").is_file()):
-        tmp = tmp_path_factory.mktemp("engine-cdef")
-        headers = header_dir(tmp)
-        if not (DEV_LIB_DIR / "libllama.so").is_file() or headers is None:
-            pytest.skip("engine not built: run `python3 build.py engine`")
-        cdef = gen_cdef_module().generate(headers, tmp / "cdef.h")
-        E.set_library_dir(DEV_LIB_DIR, cdef=cdef)
     E.backend_init()
     return E
 
@@ -64,16 +46,30 @@ def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine-models")
 
 
-@pytest.fixture(scope="session")
-def tiny_path(model_dir) -> Path:
-    """A tiny random llama (llama-bpe vocabulary, f16 weights)."""
+def _synth():
     try:
-        from app.models.synth import tiny_model
+        from app.models import synth
     except ImportError as e:
         pytest.skip(f"app.models.synth is not importable: {e}")
+    return synth
+
+
+@pytest.fixture(scope="session")
+def tiny_path(model_dir) -> Path:
+    """A tiny random llama, f16 weights, with the 32k SPM vocabulary (it loads in ~50 ms, where a 128k BPE
+    vocabulary takes a second; byte-fallback tokens still split multi-byte characters)."""
     try:
-        return tiny_model(model_dir, arch="llama", qtype="f16")
+        return _synth().tiny_model(model_dir, arch="llama", qtype="f16", vocab="llama-spm")
     except FileNotFoundError as e:  # no vocab files yet
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def bpe_vocab_path() -> Path:
+    """The llama-bpe vocabulary GGUF (byte-level BPE, as Llama 3 / Qwen use), for vocab_only loads."""
+    try:
+        return _synth().vocab_path("llama-bpe")
+    except FileNotFoundError as e:
         pytest.skip(str(e))
 
 

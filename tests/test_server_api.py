@@ -352,3 +352,14 @@ async def test_cors(client):
     assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "http://x.test"
     r = await client.get("/health")
     assert r.headers["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_stream_text_with_json_specials(aiohttp_client):
+    script = 'Ünïcødé "quoted" \\ back\nnew line\u2028 tab\t </script> \x01'
+    client, _ = await serve_fake(aiohttp_client, script=script, chunk=1000)
+    for path, body, text_of in (
+        ("/v1/chat/completions", CHAT, lambda c: c["choices"][0]["delta"].get("content") if c["choices"] else ""),
+        ("/v1/completions", {"prompt": "x"}, lambda c: c["choices"][0]["text"]),
+    ):
+        events = sse_events(await (await client.post(path, json={**body, "stream": True})).text())
+        assert "".join(text_of(c) or "" for c in events[:-1]) == script

@@ -12,6 +12,7 @@ or close() on this context; copy (arr.copy()) anything that must live longer.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Mapping
 
@@ -54,8 +55,6 @@ def _default_threads() -> int:
         n = psutil.cpu_count(logical=False)
     except Exception:
         n = None
-    import os
-
     return max(1, n or os.cpu_count() or 1)
 
 
@@ -67,6 +66,31 @@ def _choice(table: dict, value, what: str) -> int:
     if value not in table:
         raise ValueError(f"{what} must be one of {sorted(k for k in table)}, not {value!r}")
     return table[value]
+
+
+def _context_params(lib, *, n_ctx, n_batch, n_ubatch, n_seq_max, n_threads, n_threads_batch, flash_attn,
+                    type_k, type_v, kv_unified, swa_full, n_rs_seq, embeddings, pooling, ctx_type,
+                    n_outputs_max, no_perf, offload_kqv, op_offload):
+    """llama_context_params from Context's keyword arguments, validated (ContextError / ValueError)."""
+    for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max),
+                    ("n_rs_seq", n_rs_seq), ("n_outputs_max", n_outputs_max)):
+        if not 0 <= int(v) <= _UINT32_MAX:
+            raise ContextError(f"{name}={v} is out of range [0, {_UINT32_MAX}]")
+    max_seq = int(lib.llama_max_parallel_sequences())
+    if n_seq_max > max_seq:
+        raise ContextError(f"n_seq_max={n_seq_max} exceeds this build's maximum of {max_seq}")
+    n_threads = n_threads or _default_threads()
+    p = lib.llama_context_default_params()
+    p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = int(n_ctx), int(n_batch), int(n_ubatch), int(n_seq_max)
+    p.n_rs_seq, p.n_outputs_max = int(n_rs_seq), int(n_outputs_max)
+    p.n_threads, p.n_threads_batch = int(n_threads), int(n_threads_batch or n_threads)
+    p.flash_attn_type = _choice(FLASH_ATTN, flash_attn, "flash_attn")
+    p.type_k, p.type_v = ggml_type(lib, type_k), ggml_type(lib, type_v)
+    p.kv_unified, p.swa_full, p.embeddings = bool(kv_unified), bool(swa_full), bool(embeddings)
+    p.pooling_type = _choice(POOLING, "unspecified" if pooling is None else pooling, "pooling")
+    p.ctx_type = _choice(CTX_TYPES, ctx_type, "ctx_type")
+    p.no_perf, p.offload_kqv, p.op_offload = bool(no_perf), bool(offload_kqv), bool(op_offload)
+    return p
 
 
 class Context:
@@ -86,27 +110,22 @@ class Context:
         mhandle = model._handle()
         if model.vocab_only:
             raise ContextError("cannot create a context on a vocab_only model")
-        for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch),
-                        ("n_seq_max", n_seq_max), ("n_rs_seq", n_rs_seq), ("n_outputs_max", n_outputs_max)):
-            if not 0 <= int(v) <= _UINT32_MAX:
-                raise ContextError(f"{name}={v} is out of range [0, {_UINT32_MAX}]")
-        max_seq = int(lib.llama_max_parallel_sequences())
-        if n_seq_max > max_seq:
-            raise ContextError(f"n_seq_max={n_seq_max} exceeds this build's maximum of {max_seq}")
-        n_threads = n_threads or _default_threads()
-        p = lib.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = int(n_ctx), int(n_batch), int(n_ubatch), int(n_seq_max)
-        p.n_rs_seq, p.n_outputs_max = int(n_rs_seq), int(n_outputs_max)
-        p.n_threads, p.n_threads_batch = int(n_threads), int(n_threads_batch or n_threads)
-        p.flash_attn_type = _choice(FLASH_ATTN, flash_attn, "flash_attn")
-        p.type_k, p.type_v = ggml_type(lib, type_k), ggml_type(lib, type_v)
-        p.kv_unified, p.swa_full, p.embeddings = bool(kv_unified), bool(swa_full), bool(embeddings)
-        p.pooling_type = _choice(POOLING, "unspecified" if pooling is None else pooling, "pooling")
-        p.ctx_type = _choice(CTX_TYPES, ctx_type, "ctx_type")
-        p.no_perf, p.offload_kqv, p.op_offload = bool(no_perf), bool(offload_kqv), bool(op_offload)
+        p = _context_params(lib, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+                            n_threads=n_threads, n_threads_batch=n_threads_batch, flash_attn=flash_attn,
+                            type_k=type_k, type_v=type_v, kv_unified=kv_unified, swa_full=swa_full,
+                            n_rs_seq=n_rs_seq, embeddings=embeddings, pooling=pooling, ctx_type=ctx_type,
+                            n_outputs_max=n_outputs_max, no_perf=no_perf, offload_kqv=offload_kqv,
+                            op_offload=op_offload)
         if ctx_other is not None:
             p.ctx_other = ctx_other._handle()
         self._backend_samplers: dict[int, object] = {}
+        self._n_vocab = model.vocab.n_tokens
+        self._n_embd_out = model.n_embd_out
+        self._n_outputs = 0
+        self._device_states: set[int] = set()
+        self._batches: weakref.WeakSet = weakref.WeakSet()
+        self._dependents: weakref.WeakSet = weakref.WeakSet()
+        self._other = ctx_other
         keep = self._sampler_configs(p, backend_samplers or {})
         mark = log.mark()
         ptr = lib.llama_init_from_model(mhandle, p)  # GIL released: allocating buffers can take a while
@@ -116,20 +135,13 @@ class Context:
             reason = log.reason_since(mark, "upstream gave no reason (see the app.engine.llama log)")
             if "alloc" in reason:
                 reason += (" -- not enough memory for the KV cache and compute buffers at this size: lower "
-                           "n_ctx or n_seq_max, or use a quantized type_k/type_v")
+                           "n_ctx, n_ubatch or n_seq_max, or use a quantized type_k/type_v")
             raise ContextError(f"failed to create context (n_ctx={n_ctx}, n_batch={n_batch}, "
                                f"n_ubatch={n_ubatch}, n_seq_max={n_seq_max}, type_k={type_k}, "
                                f"type_v={type_v}): {reason}")
         self._ptr = ptr
         for s in self._backend_samplers.values():
             s._attached.add(self)
-        self._n_vocab = model.vocab.n_tokens
-        self._n_embd_out = model.n_embd_out
-        self._n_outputs = 0
-        self._device_states: set[int] = set()
-        self._batches: weakref.WeakSet = weakref.WeakSet()
-        self._dependents: weakref.WeakSet = weakref.WeakSet()
-        self._other = ctx_other
         if ctx_other is not None:
             ctx_other._dependents.add(self)
         model._contexts.add(self)
@@ -297,12 +309,13 @@ class Context:
             raise EngineError(f"no embeddings for batch index {i} (context needs embeddings=True)")
         return self._view(p, self._n_embd_out)
 
-    def embeddings_seq(self, seq_id: int) -> np.ndarray:
-        """Pooled embedding of a sequence (float32 n_embd_out; n_cls_out scores for pooling="rank")."""
+    def embeddings_seq(self, seq_id: int) -> np.ndarray | None:
+        """Pooled embedding of a sequence (float32 n_embd_out; n_cls_out scores for pooling="rank"), or
+        None when the context does not pool (pooling "none": use embeddings_ith)."""
         h, lib = self._handle(), self._lib
         p = lib.llama_get_embeddings_seq(h, seq_id)
         if p == self._ffi.NULL:
-            raise EngineError(f"no pooled embedding for sequence {seq_id} (pooling is none?)")
+            return None
         rank = int(lib.llama_pooling_type(h)) == POOLING["rank"]
         n = int(lib.llama_model_n_cls_out(self.model._handle())) if rank else self._n_embd_out
         return self._view(p, n)
@@ -330,11 +343,15 @@ class Context:
                              i, np.int32)
 
     def set_backend_sampler(self, seq_id: int, sampler) -> bool:
-        """Attach a sampler chain to run on the backend for `seq_id` (None detaches). The context keeps a
-        reference; the chain cannot be closed while attached. Returns upstream's success flag."""
+        """Attach a sampler chain to run on the backend for `seq_id` (None detaches). Returns False when
+        it cannot run there (upstream refused, or a stage the backend path cannot take): sample on the
+        host then. The context keeps a reference; the chain cannot be closed while attached."""
         h = self._handle()
         if sampler is not None:
-            self._check_backend_sampler(sampler)
+            if not sampler.is_chain:
+                raise EngineError("a backend sampler must be a chain (Sampler.chain([...]))")
+            if not sampler.backend_ok:
+                return False
         ok = bool(self._lib.llama_set_sampler(h, seq_id, sampler._handle() if sampler else self._ffi.NULL))
         if ok:
             old = self._backend_samplers.pop(int(seq_id), None)
@@ -354,8 +371,11 @@ class Context:
         self._lib.llama_memory_clear(self._mem(), bool(data))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions [p0, p1) of a sequence (-1 = open end). False if a partial removal is not
-        possible (recurrent memory without enough n_rs_seq snapshots); a whole sequence always goes."""
+        """Remove positions [p0, p1) of a sequence (-1 = open end); False if not possible. Removing a whole
+        sequence always works. On recurrent/hybrid models a partial removal is only possible as a
+        rollback of at most n_rs_seq trailing tokens of the last batch decoded for that sequence
+        (speculative verify -> reject drafts); anything else returns False or, if rolled back past that
+        batch, leaves a wrong state: restore a saved state (state_seq_set) instead."""
         return bool(self._lib.llama_memory_seq_rm(self._mem(), seq_id, p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:

@@ -238,6 +238,9 @@ class Sampler:
     @classmethod
     def grammar(cls, vocab, gbnf: str, root: str = "root") -> "Sampler":
         """A GBNF grammar constraint; GrammarError carries upstream's parse error for invalid text."""
+        from .model import backend_init
+
+        backend_init()  # log routing must be on to capture the parser's error message
         ffi, lib = _ffi.load()
         mark = log.mark()
         ptr = lib.llama_sampler_init_grammar(vocab._handle(), gbnf.encode(), root.encode())
@@ -249,6 +252,9 @@ class Sampler:
     def grammar_lazy(cls, vocab, gbnf: str, root: str = "root", trigger_patterns: Sequence[str] = (),
                      trigger_tokens: Sequence[int] = ()) -> "Sampler":
         """A grammar that activates only once a trigger pattern/token appears (tool calls)."""
+        from .model import backend_init
+
+        backend_init()
         ffi, lib = _ffi.load()
         keep = [ffi.new("char[]", p.encode()) for p in trigger_patterns]
         pats = ffi.new("const char *[]", keep) if keep else ffi.NULL

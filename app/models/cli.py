@@ -18,13 +18,16 @@ def synth_command(
     qtype: str = typer.Option("q4_0", "--type", help="Weight type: f16, q8_0, q4_0 or q4_k (norms stay f32)."),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same options and seed give the same bytes."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Layer count instead of the shape's."),
-    vocab: Optional[str] = typer.Option(None, "--vocab", help="ggml-vocab name (llama-bpe, qwen2, ...) or a .gguf path."),
+    vocab: Optional[str] = typer.Option(None, "--vocab", help="ggml-vocab name (llama-bpe, qwen2...) or a .gguf."),
     route_skew: float = typer.Option(0.0, "--route-skew", help="Zipf-like exponent of expert popularity (MoE)."),
-    layer_scale: float = typer.Option(1.0, "--layer-scale", help="Scale of every layer's projections (<1: embeddings dominate)."),
-    noisy_of: Optional[Path] = typer.Option(None, "--noisy-of", help="Write a draft: a noisy copy of this synthetic target."),
+    layer_scale: float = typer.Option(1.0, "--layer-scale",
+                                      help="Scale of every layer's projections (<1: embeddings dominate)."),
+    noisy_of: Optional[Path] = typer.Option(None, "--noisy-of",
+                                            help="Write a draft: a noisy copy of this synthetic target."),
     noise: float = typer.Option(0.0, "--noise", help="Relative noise added to every weight (with --noisy-of)."),
     mtp: bool = typer.Option(False, "--mtp", help="Add one MTP (nextn) layer (qwen35, qwen35moe)."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output file (default: ./synth-ARCH-SHAPE-TYPE.gguf)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                          help="Output file (default: ./synth-ARCH-SHAPE-TYPE.gguf)."),
     force: bool = typer.Option(False, "--force", help="Overwrite the output file."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Generator threads (default: all cores)."),
 ) -> None:
@@ -42,7 +45,8 @@ def synth_command(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
     o = plan.options
-    path = output or Path(f"synth-{o.arch}-{o.shape}-{o.qtype}" + (f"-draft{plan.shape.n_layer}" if noisy_of else "") + ".gguf")
+    draft = f"-draft{plan.shape.n_layer}" if noisy_of else ""
+    path = output or Path(f"synth-{o.arch}-{o.shape}-{o.qtype}{draft}.gguf")
     if path.exists() and not force:
         console.print(f"[red]error:[/red] {path} exists (use --force to overwrite)")
         raise typer.Exit(1)

@@ -55,13 +55,14 @@ def vocab_dir() -> Path:
     if installed.is_dir():
         return installed
     # Before build.py has installed them: the pinned sdist unpacked in the repo's cache or by hand under /tmp/dl.
-    repo = Path(__file__).resolve().parents[2]
-    for pattern in (".cache/**/vendor/llama.cpp/models", "/tmp/dl/llama_cpp_python-*/vendor/llama.cpp/models"):
-        base, pat = (Path("/"), pattern[1:]) if pattern.startswith("/") else (repo, pattern)
-        for found in sorted(base.glob(pat)):
-            if (found / "ggml-vocab-llama-bpe.gguf").is_file():
-                return found
-    raise FileNotFoundError("no ggml-vocab-*.gguf files found: run `python3 build.py engine` to install them into app/_lib/vocab")
+    # Fixed depths, not "**": the build cache can hold whole source trees.
+    repo, models = Path(__file__).resolve().parents[2], "vendor/llama.cpp/models"
+    candidates = [*repo.glob(f".cache/*/{models}"), *repo.glob(f".cache/*/*/{models}"),
+                  *Path("/tmp/dl").glob(f"llama_cpp_python-*/{models}")]
+    for found in sorted(candidates):
+        if (found / "ggml-vocab-llama-bpe.gguf").is_file():
+            return found
+    raise FileNotFoundError("no ggml-vocab-*.gguf files: `python3 build.py engine` installs them into app/_lib/vocab")
 
 
 def vocab_path(vocab: str) -> Path:
@@ -137,7 +138,8 @@ def _fill_small(spec: TensorSpec, o: SynthOptions) -> np.ndarray:
         return (dt + np.log(-np.expm1(-dt))).astype(np.float32).view(np.uint8)
     vals = rng.standard_normal(n, dtype=np.float32) * np.float32(spec.std)
     if o.noise > 0:
-        vals += _rng(o.seed, spec.name, 0, _NOISE_TAG).standard_normal(n, dtype=np.float32) * np.float32(o.noise * spec.std)
+        noise = _rng(o.seed, spec.name, 0, _NOISE_TAG).standard_normal(n, dtype=np.float32)
+        vals += noise * np.float32(o.noise * spec.std)
     if spec.kind == "router":
         vals = _router(spec, o, vals)
     elif spec.kind == "eh_proj":
@@ -222,8 +224,8 @@ def _validate(o: SynthOptions) -> SynthOptions:
         raise ValueError(f"unknown type {o.qtype!r}; choose one of {', '.join(sb.QTYPES)}")
     if o.mtp and o.arch not in MTP_ARCHS:
         raise ValueError(f"--mtp: upstream loads MTP (nextn) layers only for {', '.join(MTP_ARCHS)}, not {o.arch}")
-    if not (0 < o.layer_scale <= 1e3) or o.noise < 0 or o.route_skew < 0:
-        raise ValueError("--layer-scale must be > 0; --noise and --route-skew must be >= 0")
+    if o.layer_scale <= 0 or o.noise < 0 or o.route_skew < 0 or o.seed < 0:
+        raise ValueError("--layer-scale must be > 0; --noise, --route-skew and --seed must be >= 0")
     return replace(o, vocab=o.vocab or DEFAULT_VOCAB[o.arch], seed=int(o.seed))
 
 
@@ -263,12 +265,15 @@ def build(path: Path, plan: Plan | SynthOptions, threads: int | None = None, pro
     if isinstance(plan, SynthOptions):
         plan = plan_model(plan)
     t0 = time.perf_counter()
-    tmp = path.with_name(path.name + ".part")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")  # per process: parallel test workers may race
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "wb", buffering=0) as f:
-        gg.write_header(f, plan.records, [(s.name, s.ne, s.type, s.n_bytes) for s in plan.specs])
-        _stream(f, plan.specs, plan.options, threads or os.cpu_count() or 1, progress)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            gg.write_header(f, plan.records, [(s.name, s.ne, s.type, s.n_bytes) for s in plan.specs])
+            _stream(f, plan.specs, plan.options, threads or os.cpu_count() or 1, progress)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # an interrupted write leaves nothing behind
     qtype = sb.QTYPES[plan.options.qtype]
     fallback = sum(1 for s in plan.specs if s.kind == "blocks" and s.type != qtype)
     return {"path": str(path), "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0,

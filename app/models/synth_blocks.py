@@ -135,38 +135,57 @@ def fill_blocks(qtype: int, n_values: int, std: float, rng: np.random.Generator)
 
 
 def add_code_noise(qtype: int, data: np.ndarray, sigma: float, rng: np.random.Generator) -> None:
-    """In place: add Gaussian noise of sigma times the values' own std to every code, rounded stochastically.
+    """In place: add zero-mean noise of sigma times the values' own std to every code (f16: to every value).
 
-    Stochastic rounding keeps the noise unbiased even when sigma is far below one code step. The block scale
-    is left alone: the codes' spread grows by sqrt(1 + sigma^2), a few percent for the sigmas that matter.
+    The block scale is left alone: the codes' spread grows by sqrt(1 + sigma^2), a few percent for the sigmas
+    that matter. Works piece by piece so the float temporaries stay in cache.
     """
     if sigma <= 0:
         return
     if qtype == F16:
         vals = data.view(np.float16)
         f = vals.astype(np.float32)
-        f += rng.standard_normal(f.size, dtype=np.float32) * (sigma * float(np.std(f)))
+        f += rng.standard_normal(f.size, dtype=np.float32) * np.float32(sigma * float(np.std(f)))
         vals[:] = f.astype(np.float16)
         return
-    per, size = BLOCK[qtype]
-    blocks = data.reshape(-1, size)
-    head, lo, hi = {Q4_0: (2, -7, 7), Q8_0: (2, -127, 127), Q4_K: (16, 0, 15)}[qtype]
+    blocks = data.reshape(-1, BLOCK[qtype][1])
+    step = max(1, (1 << 16) // BLOCK[qtype][0])
+    for start in range(0, blocks.shape[0], step):
+        _noise_piece(qtype, blocks[start:start + step], sigma, rng)
+
+
+def _integer_noise(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
+    """Zero-mean integer noise with variance std^2, as float32.
+
+    Below one code step, sparse +-1 steps (probability std^2) give the exact variance; rounding a Gaussian
+    there would zero almost all of it, and stochastic rounding would add about 0.8*std instead of std^2.
+    """
+    if std >= 1.0:
+        return np.rint(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+    u = rng.random(shape, dtype=np.float32)
+    half = np.float32(std * std / 2)
+    return (u > 1 - half).astype(np.float32) - (u < half)
+
+
+def _noise_piece(qtype: int, blocks: np.ndarray, sigma: float, rng: np.random.Generator) -> None:
+    head, lo, hi, offset = {Q4_0: (2, -7, 7, 8), Q8_0: (2, -127, 127, 0), Q4_K: (16, 0, 15, 0)}[qtype]
+    packed = blocks[:, head:]
     if qtype == Q8_0:
-        codes = blocks[:, head:].view(np.int8).astype(np.float32)
-        step_std = _CODE_STD[Q8_0]
+        codes = packed.view(np.int8).astype(np.float32)
+        code_std = _CODE_STD[Q8_0]
     else:
-        packed = blocks[:, head:]
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
-        codes -= 8 if qtype == Q4_0 else 0
-        step_std = _CODE_STD[Q4_0] if qtype == Q4_0 else _CODE_STD[Q4_K] / 8
-    codes += rng.standard_normal(codes.shape, dtype=np.float32) * np.float32(sigma * step_std)
-    codes = np.clip(np.floor(codes + rng.random(codes.shape, dtype=np.float32)), lo, hi)
+        codes -= offset
+        code_std = _CODE_STD[Q4_0] if qtype == Q4_0 else _CODE_STD[Q4_K] / 8
+    codes += _integer_noise(codes.shape, sigma * code_std, rng)
+    np.clip(codes, lo, hi, out=codes)
     if qtype == Q8_0:
-        blocks[:, head:] = codes.astype(np.int8).view(np.uint8)
+        packed[:] = codes.astype(np.int8).view(np.uint8)
         return
-    codes = (codes + (8 if qtype == Q4_0 else 0)).astype(np.uint8)
-    half = codes.shape[1] // 2
-    blocks[:, head:] = codes[:, :half] | (codes[:, half:] << 4)
+    codes += offset
+    ints = codes.astype(np.uint8)
+    half = ints.shape[1] // 2
+    packed[:] = ints[:, :half] | (ints[:, half:] << 4)
 
 
 def decode_blocks(qtype: int, data: np.ndarray) -> np.ndarray:

@@ -174,7 +174,8 @@ def vocab_size(records: tuple[tuple[str, bytes], ...]) -> int:
     raise ValueError("the vocab GGUF has no tokenizer.ggml.tokens")
 
 
-def write_header(f: BinaryIO, kv_records: list[bytes], tensors: list[tuple[str, tuple[int, ...], int, int]]) -> list[int]:
+def write_header(f: BinaryIO, kv_records: list[bytes],
+                 tensors: list[tuple[str, tuple[int, ...], int, int]]) -> list[int]:
     """Write magic, counts, the KV records and the tensor table; pad to the data section.
 
     `tensors` holds (name, ne, ggml type, n_bytes). Returns each tensor's absolute file offset; the caller

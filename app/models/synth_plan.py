@@ -67,7 +67,8 @@ def _attention(arch: str, s: Shape, il: int, q: int) -> list[TensorSpec]:
         _proj(p + "attn_output.weight", (s.head_dim * s.n_head, n), q, il),
     ]
     if arch != "llama":
-        out += [_f32(p + "attn_q_norm.weight", (s.head_dim,), "ones"), _f32(p + "attn_k_norm.weight", (s.head_dim,), "ones")]
+        out += [_f32(p + "attn_q_norm.weight", (s.head_dim,), "ones"),
+                _f32(p + "attn_k_norm.weight", (s.head_dim,), "ones")]
     return out
 
 

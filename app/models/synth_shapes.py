@@ -126,6 +126,12 @@ def get_shape(arch: str, shape: str, n_layer: int | None = None) -> Shape:
         if n_layer < 1:
             raise ValueError("--layers must be at least 1")
         found = replace(found, n_layer=n_layer)
+    if found.ssm_state and found.n_layer < found.full_attn_interval:
+        # Upstream's hybrid cache aborts unless there is at least one layer of each kind (recurrent and full
+        # attention): a short hybrid model makes its last layer the attention one.
+        if found.n_layer < 2:
+            raise ValueError(f"{arch} needs at least 2 layers (one recurrent, one full attention)")
+        found = replace(found, full_attn_interval=found.n_layer)
     return found
 
 

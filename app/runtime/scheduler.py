@@ -254,8 +254,10 @@ class Scheduler:
     def _release(self, slot: Slot) -> None:
         task = slot.task
         if task is not None:
-            if task.pending is not None:
-                task.pending = None
+            task.pending = None
+            if task.device_sampler is not None:
+                # The context holds the chain's pointer: detach before the chain is freed.
+                self.ctx.set_backend_sampler(slot.id, None)
             task.close()
         slot.task = None
         slot.state = SlotState.IDLE

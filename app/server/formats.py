@@ -106,6 +106,25 @@ def generation_params(req: GenerationRequest, stream: bool, backend_sampling: bo
     )
 
 
+class Splice:
+    """A streamed chunk serialized once with its text left open, so each later delta costs one string encode.
+
+    The model is dumped with a marker in the text field; the bytes around the marker are kept and a delta's
+    text is spliced in (JSON-encoded the way pydantic-core encodes it: UTF-8, minimal escapes).
+    """
+
+    MARK = "\x00splice\x00"
+
+    def __init__(self, model: BaseModel):
+        raw = b"data: " + S.dump(model) + b"\n\n"
+        mark = json.dumps(self.MARK).encode()
+        self.ok = raw.count(mark) == 1
+        self.pre, _, self.post = raw.partition(mark)
+
+    def fill(self, text: str) -> bytes:
+        return self.pre + json.dumps(text, ensure_ascii=False).encode() + self.post
+
+
 @dataclass
 class Collected:
     """A non-streamed request's events, gathered."""
@@ -145,7 +164,8 @@ class ResponseFormat:
         self.n_decoded = 0
         self.id_slot = -1
 
-    def chunks(self, d: TextDelta) -> list[BaseModel]:
+    def chunks(self, d: TextDelta) -> list[BaseModel | bytes]:
+        """The SSE chunks for one delta: models, or bytes already framed as an SSE event."""
         raise NotImplementedError
 
     def final_chunks(self, fin: Finished) -> list[BaseModel]:
@@ -167,7 +187,7 @@ class NativeFormat(ResponseFormat):
         super().__init__(*a, **kw)
         self.response_fields = response_fields
 
-    def chunks(self, d: TextDelta) -> list[BaseModel]:
+    def chunks(self, d: TextDelta) -> list[BaseModel | bytes]:
         self.n_decoded += len(d.tokens)
         return [S.NativeChunk.model_construct(
             index=0, content=d.text, tokens=list(d.tokens), stop=False, id_slot=self.id_slot,
@@ -215,6 +235,8 @@ def _pick(doc: dict, paths: list[str]) -> dict:
 class OAICompletionFormat(ResponseFormat):
     """POST /v1/completions."""
 
+    _splice: Splice | None = None
+
     def _envelope(self, choice: S.CompletionChoice, usage: S.Usage | None = None,
                   timings: S.TimingsOut | None = None) -> S.CompletionResponse:
         return S.CompletionResponse.model_construct(
@@ -225,9 +247,16 @@ class OAICompletionFormat(ResponseFormat):
         out = self._probs(probs)
         return S.LogprobsContent.model_construct(content=out) if out else None
 
-    def chunks(self, d: TextDelta) -> list[BaseModel]:
-        return [self._envelope(S.CompletionChoice.model_construct(
-            text=d.text, index=0, logprobs=self._logprobs(d.probs), finish_reason=None))]
+    def _text_chunk(self, text: str, probs: list[TokenProb] | None) -> S.CompletionResponse:
+        return self._envelope(S.CompletionChoice.model_construct(
+            text=text, index=0, logprobs=self._logprobs(probs), finish_reason=None))
+
+    def chunks(self, d: TextDelta) -> list[BaseModel | bytes]:
+        if d.probs:
+            return [self._text_chunk(d.text, d.probs)]
+        if self._splice is None:
+            self._splice = Splice(self._text_chunk(Splice.MARK, None))
+        return [self._splice.fill(d.text)] if self._splice.ok else [self._text_chunk(d.text, None)]
 
     def final_chunks(self, fin: Finished) -> list[BaseModel]:
         return [self.response(Collected(), fin)]
@@ -240,6 +269,8 @@ class OAICompletionFormat(ResponseFormat):
 
 class ChatFormat(ResponseFormat):
     """POST /v1/chat/completions."""
+
+    _splice: Splice | None = None
 
     def _chunk(self, choices: list[S.ChatChunkChoice], **kw: Any) -> S.ChatCompletionChunk:
         return S.ChatCompletionChunk.model_construct(
@@ -257,15 +288,22 @@ class ChatFormat(ResponseFormat):
             finish_reason=None, index=0, delta=S.ChatDelta.model_construct(role="assistant", content=None),
             logprobs=None)])
 
-    def chunks(self, d: TextDelta) -> list[BaseModel]:
-        out: list[BaseModel] = []
+    def _text_chunk(self, text: str, probs: list[TokenProb] | None) -> S.ChatCompletionChunk:
+        return self._chunk([S.ChatChunkChoice.model_construct(
+            finish_reason=None, index=0, delta=S.ChatDelta.model_construct(role=None, content=text),
+            logprobs=self._logprobs(probs))])
+
+    def chunks(self, d: TextDelta) -> list[BaseModel | bytes]:
+        out: list[BaseModel | bytes] = []
         if self.n_decoded == 0:
             out.append(self.role_chunk())
         self.n_decoded += max(len(d.tokens), 1)
-        if d.text or d.probs:
-            out.append(self._chunk([S.ChatChunkChoice.model_construct(
-                finish_reason=None, index=0, delta=S.ChatDelta.model_construct(role=None, content=d.text),
-                logprobs=self._logprobs(d.probs))]))
+        if d.probs:
+            out.append(self._text_chunk(d.text, d.probs))
+        elif d.text:
+            if self._splice is None:
+                self._splice = Splice(self._text_chunk(Splice.MARK, None))
+            out.append(self._splice.fill(d.text) if self._splice.ok else self._text_chunk(d.text, None))
         return out
 
     def final_chunks(self, fin: Finished) -> list[BaseModel]:

@@ -145,7 +145,10 @@ async def tokenize(request: web.Request) -> web.Response:
             return rt.tokenize(req.content, add_special, parse_special)
         out: list[int] = []
         for i, p in enumerate(req.content):
-            out.extend(rt.tokenize(p, add_special and i == 0, parse_special) if isinstance(p, str) else [p])
+            if isinstance(p, str):
+                out.extend(rt.tokenize(p, add_special and i == 0, parse_special))
+            else:
+                out.extend(p if isinstance(p, list) else [p])
         return out
 
     tokens = await state.offload(run, size=convert.prompt_text_size(req.content))

@@ -116,7 +116,7 @@ class OAICompletionRequest(GenerationFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
@@ -124,7 +124,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     # extra members (tool_calls, tool_call_id, name, reasoning_content...) go to the template untouched
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[ContentPart] | None = None

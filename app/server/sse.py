@@ -29,8 +29,9 @@ SSE_HEADERS = {
 _CLIENT_GONE = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
-def sse_event(model: BaseModel) -> bytes:
-    return b"data: " + dump(model) + b"\n\n"
+def sse_event(chunk: BaseModel | bytes) -> bytes:
+    """One SSE event; bytes are already framed (see formats.Splice)."""
+    return chunk if isinstance(chunk, bytes) else b"data: " + dump(chunk) + b"\n\n"
 
 
 def json_response(body: BaseModel | bytes, status: int = 200) -> web.Response:
