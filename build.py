@@ -194,13 +194,18 @@ def read_manifest(tree: Path) -> dict:
 
 
 def source_id(opts: EngineOptions) -> str:
-    if opts.source is None:
-        return pristine_source_id(opts)
-    manifest = read_manifest(opts.source)
-    if tree_digest(opts.source) == manifest["tree_digest"]:
+    return pristine_source_id(opts) if opts.source is None else _exported_source_id(Path(opts.source).resolve())
+
+
+@functools.lru_cache(maxsize=None)
+def _exported_source_id(tree: Path) -> str:
+    """The id recorded at export time while the files are as exported; else one made from their contents."""
+    manifest = read_manifest(tree)
+    digest = tree_digest(tree)
+    if digest == manifest.get("tree_digest"):
         return manifest["source_id"]
-    say(f"warning: {opts.source} differs from what was exported; keyed by its contents")
-    return "modified-" + tree_digest(opts.source)
+    say(f"warning: {tree} differs from what was exported; keyed by its contents")
+    return "modified-" + digest
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -899,9 +904,9 @@ def cmd_engine(argv: list[str]) -> int:
     a = _engine_parser().parse_args(argv)
     opts = options_from_args(a)
     cache = (a.cache_dir or default_cache_dir()).expanduser().resolve()
+    if opts.backend == "cuda" and not opts.cuda_arch:
+        opts = dataclasses.replace(opts, cuda_arch=detect_cuda_arch())
     if a.print_key:
-        if opts.backend == "cuda" and not opts.cuda_arch:
-            opts = dataclasses.replace(opts, cuda_arch=detect_cuda_arch())
         print(engine_key(opts))
         return 0
     if a.check:

@@ -273,3 +273,22 @@ def test_second_engine_command_is_a_fast_noop(lib_dir: Path):
     assert "configure" not in res.stdout and "compile" not in res.stdout
     assert elapsed < 10, f"no-op took {elapsed:.1f}s"
     assert (lib_dir / "build-info.json").stat().st_mtime_ns == before
+
+
+def test_exported_tree_keeps_its_source_id_until_edited(opts, tmp_path: Path):
+    tree = tmp_path / "export"
+    (tree / "src").mkdir(parents=True)
+    (tree / "src" / "llama.cpp").write_text("int x;\n")
+    (tree / build.SOURCE_MANIFEST).write_text(json.dumps(
+        {"source_id": build.pristine_source_id(opts), "tree_digest": build.tree_digest(tree)}))
+    exported = dataclasses.replace(opts, source=tree)
+    build._exported_source_id.cache_clear()
+    assert build.engine_key(exported) == build.engine_key(opts)
+    (tree / build.BUILD_SUBDIR / "cpu").mkdir(parents=True)  # a build dir inside the tree does not count
+    (tree / build.BUILD_SUBDIR / "cpu" / "CMakeCache.txt").write_text("x\n")
+    build._exported_source_id.cache_clear()
+    assert build.engine_key(exported) == build.engine_key(opts)
+    (tree / "src" / "llama.cpp").write_text("int y;\n")
+    build._exported_source_id.cache_clear()
+    assert build.source_id(exported).startswith("modified-")
+    assert build.engine_key(exported) != build.engine_key(opts)

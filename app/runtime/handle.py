@@ -54,7 +54,7 @@ class RequestHandle:
         self._n_tokens = 0
         self._prompt_info: tuple[int, int, float] = (0, 0, 0.0)
         self._t_first = 0.0
-        self._id_slot = -1
+        self.id_slot = -1
 
     def attach(self, task: Any) -> None:
         self._task = task
@@ -76,7 +76,7 @@ class RequestHandle:
             self._on_tokens(msg[1], msg[2])
         elif kind == "prompt":
             self._prompt_info = (msg[1], msg[2], msg[3])
-            self._id_slot = msg[4]
+            self.id_slot = msg[4]
             self._t_first = time.perf_counter()
         elif kind == "done":
             self._on_done(*msg[1:])
@@ -119,7 +119,7 @@ class RequestHandle:
         self._done = True
 
     def _slot_id(self) -> int:
-        return self._id_slot
+        return self.id_slot
 
     # ---- consumer side --------------------------------------------------------------------------------------
 

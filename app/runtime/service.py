@@ -162,6 +162,10 @@ class Runtime:
         self._require_ready()
         return self._model.vocab.detokenize(tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        self._require_ready()
+        return self._text.piece(token)
+
     def token_piece(self, token: int) -> str:
         self._require_ready()
         return self._text.piece(token).decode("utf-8", errors="replace")
