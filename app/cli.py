@@ -7,6 +7,7 @@ import typer
 from app.bench.cli import bench_app
 from app.devices.cli import devices_command
 from app.models.cli import model_app
+from app.presets.cli import presets_app, tune_command
 
 cli = typer.Typer(
     name="app",
@@ -18,6 +19,8 @@ cli = typer.Typer(
 cli.add_typer(model_app, name="model", help="Synthetic and default models.")
 cli.add_typer(bench_app, name="bench", help="Benchmarks against upstream tools from the same build.")
 cli.command("devices", help="GPUs and host memory seen by this machine.")(devices_command)
+cli.add_typer(presets_app, name="presets", help="Tuning presets per GPU model (list, show).")
+cli.command("tune", help="Measure the settings that matter on this machine and write a preset for it.")(tune_command)
 
 
 @cli.command(

@@ -220,9 +220,9 @@ def _positive_int(v: str) -> int:
 
 # ---- the flag table ------------------------------------------------------------------------------------------
 
-G_MODEL, G_CTX, G_GPU, G_SAMPLING, G_HTTP, G_CACHE, G_LOG = (
+G_MODEL, G_CTX, G_GPU, G_SAMPLING, G_HTTP, G_CACHE, G_LOG, G_PRESET = (
     "Model", "Context and batching", "GPU placement", "Sampling defaults (a request's own fields win)",
-    "Server and HTTP", "Caching", "Logging",
+    "Server and HTTP", "Caching", "Logging", "Presets and config files",
 )
 
 
@@ -368,6 +368,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--log-level",), "log_level", G_LOG, "debug, info, warning or error (default: info)",
          _choice("debug", "info", "warning", "error"), "RIGSERVE_LOG_LEVEL", metavar="LEVEL"),
     Flag(("-v", "--verbose"), "log_level", G_LOG, "same as --log-level debug", None, const="debug"),
+    Flag(("--preset",), "preset", G_PRESET, "tuning preset: a name from `app presets list`, a .toml file, or "
+         "'none' (default: the preset matching the detected GPUs)", str, "RIGSERVE_PRESET", metavar="NAME|none"),
+    Flag(("--config",), "config_file", G_PRESET, "TOML file of these flags by long name (ctx-size = 8192): "
+         "above the preset, below the environment and the command line", str, "RIGSERVE_CONFIG",
+         metavar="FILE"),
 )
 
 # llama-server flags users commonly pass that rigserve does not implement yet: refused by name, never ignored.
@@ -645,6 +650,28 @@ def _http_settings(v: Mapping[str, Any]) -> HttpSettings:
         chat_template_file=template_file, jinja=bool(v.get("jinja", True)), grammar=v.get("grammar"),
         json_schema=v.get("json_schema"),
     )
+
+
+def layer_sources(argv: list[str], environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None]:
+    """(--preset, --config) from the command line, else RIGSERVE_PRESET / RIGSERVE_CONFIG, else None.
+
+    Read before load_settings, because their values decide the `layers` load_settings is given.
+    """
+    found: dict[str, str | None] = {"preset": environ.get("RIGSERVE_PRESET") or None,
+                                    "config_file": environ.get("RIGSERVE_CONFIG") or None}
+    _, by_name = _build_parser()
+    args = _normalize_argv(argv)
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=") if args[i].startswith("--") else (args[i], "", "")
+        ref = by_name.get(name)
+        if ref is not None and ref[0].conv is not None and not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 1  # the next token is this flag's value, whatever it looks like
+        if ref is not None and ref[0].dest in found and value:
+            found[ref[0].dest] = value
+        i += 1
+    return found["preset"], found["config_file"]
 
 
 def load_settings(

@@ -26,7 +26,7 @@ def running_server(kind: str, model: Path, args: list[str]) -> Iterator[str]:
     port = free_port()
     common = ["-m", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     if kind == "ours":
-        cmd = [sys.executable, "-m", "app", "serve", *common]
+        cmd = [sys.executable, "-m", "app", "serve", "--preset", "none", *common]
     else:
         cmd = [str(upstream_server_bin()), *common]
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{kind}-server-", suffix=".log", delete=False)

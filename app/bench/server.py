@@ -42,7 +42,8 @@ def _server_cmd(kind: str, cfg: ServerBenchConfig, n_slots: int, port: int) -> l
     common = ["-m", str(cfg.model), "-np", str(n_slots), "-c", str(n_ctx), "--host", "127.0.0.1",
               "--port", str(port), *cfg.extra_args]
     if kind == "ours":
-        return [sys.executable, "-m", "app", "serve", *common]
+        # The same flags as upstream and nothing else: no tuning preset.
+        return [sys.executable, "-m", "app", "serve", "--preset", "none", *common]
     return [str(lib_tool("llama-server")), *common]
 
 

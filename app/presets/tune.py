@@ -217,7 +217,7 @@ def run_trials(plan: TunePlan, opts: TuneOptions,
     return results
 
 
-def _fmt_rate(v: float | None) -> str:
+def fmt_rate(v: float | None) -> str:
     return "-" if v is None else f"{v:,.1f}"
 
 
@@ -230,7 +230,7 @@ def tuned_preset(plan: TunePlan, results: list[Measurement], best: Measurement) 
     base_notes = base.notes if base else {}
     origin = f"from preset {base.name}" if base else "llama-server default"
     ub = int(best.settings["ubatch-size"])
-    rows = ", ".join(f"{m.settings['ubatch-size']}: {_fmt_rate(m.pp_tps) if m.ok else 'failed'}" for m in results)
+    rows = ", ".join(f"{m.settings['ubatch-size']}: {fmt_rate(m.pp_tps) if m.ok else 'failed'}" for m in results)
     day = _dt.date.today().isoformat()
     settings = {**base_settings, "ubatch-size": ub, "batch-size": max(ub, int(base_settings.get("batch-size", 2048)))}
     notes = {k: f"{origin}: {base_notes.get('settings.' + k, '')}".rstrip(": ") for k in settings}
@@ -249,16 +249,16 @@ def tuned_preset(plan: TunePlan, results: list[Measurement], best: Measurement) 
                                        ("tg_tps", m.tg_tps), ("error", m.error)) if v is not None} for m in results],
         "skipped": [f"{k}: {why}" for k, why in plan.skipped],
     }
+    where = "for the GPUs in [match]" if plan.gpu_names else "on machines without a GPU"
     header = [f"Written by `app tune` on {day} for {', '.join(plan.gpu_names) or 'this CPU-only machine'}.",
               f"Base preset: {base.name if base else 'none'}; model: {plan.source.label}.",
-              f"`app serve` prefers it to the shipped presets {'for the GPUs in [match]' if plan.gpu_names else 'on machines without a GPU'};"
-              " edit or delete it freely."]
+              f"`app serve` prefers it to the shipped presets {where}; edit or delete it freely."]
     text = writer.render(header, [
         ("preset", {"name": plan.name, "description": f"tuned by app tune on {day}"}, {}),
         ("match", match, match_notes), ("settings", settings, notes), ("later", later, later_notes),
         ("tune", tune_record, {}),
     ])
-    return text, f"ubatch-size {ub}: pp{plan.n_prompt} {_fmt_rate(best.pp_tps)} t/s"
+    return text, f"ubatch-size {ub}: pp{plan.n_prompt} {fmt_rate(best.pp_tps)} t/s"
 
 
 def write_preset(plan: TunePlan, text: str) -> Preset:

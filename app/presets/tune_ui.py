@@ -54,7 +54,7 @@ def _results_table(plan: tn.TunePlan, results: list[Measurement], best: Measurem
             continue
         ratio = f"{m.pp_tps / ref.pp_tps:.2f}x" if ref and ref.pp_tps else "-"
         mark = "chosen" if m is best else ("base" if ub == base_ub else "")
-        t.add_row(str(ub), tn._fmt_rate(m.pp_tps), tn._fmt_rate(m.tg_tps), ratio, mark)
+        t.add_row(str(ub), tn.fmt_rate(m.pp_tps), tn.fmt_rate(m.tg_tps), ratio, mark)
     return t
 
 

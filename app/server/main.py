@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from app.config import ConfigError, HelpRequested, Settings, load_settings
+from app.config import ConfigError, HelpRequested, Settings, layer_sources, load_settings
 
 log = logging.getLogger("app.server")
 
@@ -65,11 +65,23 @@ def _listeners(settings: Settings) -> tuple[list[socket.socket], list[str], list
     return socks, paths, names
 
 
+def resolve_settings(argv: list[str], default_model: str | None = None) -> tuple[Settings, str]:
+    """Settings from defaults < preset < --config file < environment < command line, and the preset's log line."""
+    if any(a in ("-h", "--help") for a in argv):  # help needs no GPU discovery, nor a valid preset
+        return load_settings(argv, default_model=default_model), ""
+    from app.presets import config_file_layer, preset_layer
+
+    preset_name, config_path = layer_sources(argv)
+    preset, preset_line = preset_layer(preset_name)  # discovers the GPUs unless --preset names one
+    layers = [preset] + ([config_file_layer(config_path)] if config_path else [])
+    return load_settings(argv, layers=layers, default_model=default_model), preset_line
+
+
 def run_server(argv: list[str], *, runtime_factory: Callable[[Any], Any] | None = None,
                default_model: str | None = None) -> int:
     """Serve until interrupted; returns the process exit code (0 ok, 1 model failed to load, 2 bad flags)."""
     try:
-        settings = load_settings(argv, default_model=default_model)
+        settings, preset_line = resolve_settings(argv, default_model)
     except HelpRequested as h:
         print(h.text)
         return 0
@@ -77,6 +89,8 @@ def run_server(argv: list[str], *, runtime_factory: Callable[[Any], Any] | None 
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    if preset_line:
+        log.info("%s", preset_line)
     if not settings.model.path:
         print("error: no model to serve: pass -m/--model PATH (or set LLAMA_ARG_MODEL)", file=sys.stderr)
         return 2
