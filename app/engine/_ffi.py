@@ -91,6 +91,13 @@ def _preload_deps(lib_dir: Path) -> None:
     Failures are ignored here: the libllama dlopen right after reports the real problem.
     """
     mode = getattr(os, "RTLD_GLOBAL", 0) | getattr(os, "RTLD_NOW", 0)
+    # The C++ runtime goes first: Python itself doesn't link it, and nvcc-built libggml-cuda exports weak
+    # copies of some libstdc++ template instances; if those enter the global scope first, libllama's iostream
+    # calls bind to them and crash (seen on the H200 box inside llama_model_load's print_info).
+    try:
+        _native.keep.append(ctypes.CDLL("libstdc++.so.6", mode=mode))
+    except OSError:
+        pass
     for name in _DEP_NAMES:
         dep = lib_dir / name
         if dep.is_file():

@@ -77,14 +77,16 @@ class Runtime:
         s = self.settings
         backend_init()
         ms = s.model
+        # -dev none keeps everything on the CPU; no -dev means every device the engine finds.
+        cpu_only = tuple(ms.devices) == ("none",)
         model = Model(
             ms.path,
-            n_gpu_layers=ms.n_gpu_layers,
+            n_gpu_layers=0 if cpu_only else ms.n_gpu_layers,
             split_mode=ms.split_mode,
             main_gpu=ms.main_gpu,
             tensor_split=ms.tensor_split,
             tensor_buft_overrides=ms.tensor_buft_overrides,
-            devices=ms.devices,
+            devices=list(ms.devices) if ms.devices and not cpu_only else None,
             load_mtp=ms.load_mtp,
         )
         try:
