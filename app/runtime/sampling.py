@@ -23,16 +23,27 @@ def needs_host(p: SamplingParams) -> bool:
     return p.n_probs > 0 or p.grammar is not None or p.json_schema is not None or p.typical_p < 1.0
 
 
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits first: any greedy chain gives the same token."""
+    no_penalty = p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    return p.greedy and no_penalty and not p.logit_bias and not p.ignore_eos and not needs_host(p)
+
+
 def build_chain(p: SamplingParams, vocab: Vocab, *, for_device: bool) -> Sampler:
     """The sampler chain for one request (a fresh chain; the caller owns and closes it)."""
     stages = []
+    if p.grammar is not None and not for_device:
+        # The grammar masks first, so every later stage only sees tokens the grammar allows.
+        stages.append(Sampler.grammar(vocab, p.grammar))
     if p.logit_bias:
         stages.append(Sampler.logit_bias(vocab.n_tokens, p.logit_bias))
     if p.ignore_eos:
-        stages.append(Sampler.logit_bias(vocab.n_tokens, {vocab.eos: float("-inf")}))
+        eog = {t: float("-inf") for t in (vocab.eos, vocab.eot) if t is not None and t >= 0}
+        stages.append(Sampler.logit_bias(vocab.n_tokens, eog))
     if p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
         last_n = p.repeat_last_n if p.repeat_last_n >= 0 else 4096
-        stages.append(Sampler.penalties(last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
+        stages.append(Sampler.penalties(last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty,
+                                        n_vocab=vocab.n_tokens))
     if p.greedy:
         stages.append(Sampler.greedy())
         return Sampler.chain(stages)

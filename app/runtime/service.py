@@ -78,7 +78,7 @@ class Runtime:
         backend_init()
         ms = s.model
         # -dev none keeps everything on the CPU; no -dev means every device the engine finds.
-        cpu_only = tuple(ms.devices) == ("none",)
+        cpu_only = tuple(ms.devices or ()) == ("none",)
         model = Model(
             ms.path,
             n_gpu_layers=0 if cpu_only else ms.n_gpu_layers,
@@ -92,7 +92,8 @@ class Runtime:
         try:
             n_slots = s.n_parallel
             n_ctx = s.n_ctx if s.n_ctx > 0 else model.n_ctx_train
-            samplers = {i: Sampler.chain([Sampler.greedy()]) for i in range(n_slots)} if s.backend_sampling else None
+            use_device = s.backend_sampling and not s.embeddings
+            samplers = {i: Sampler.chain([Sampler.greedy()]) for i in range(n_slots)} if use_device else None
             ctx = Context(
                 model, n_ctx=n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_seq_max=n_slots,
                 n_threads=s.n_threads, n_threads_batch=s.n_threads_batch, flash_attn=s.flash_attn,
@@ -107,8 +108,8 @@ class Runtime:
         from app.runtime.structured import matcher_factory
 
         return Scheduler(
-            model, ctx, n_slots, device_sampling=bool(s.backend_sampling), cache_prompt=s.cache_prompt,
-            structured=matcher_factory(model.vocab),
+            model, ctx, n_slots, device_sampling=bool(use_device), cache_prompt=s.cache_prompt,
+            structured=matcher_factory(model.vocab), greedy_chains=samplers,
         )
 
     def _on_ready_threadsafe(self, sched: Scheduler | None, err: BaseException | None) -> None:

@@ -29,6 +29,7 @@ class Task:
     embedding: bool = False  # compute an embedding instead of generating
     host_sampler: Any = None  # engine Sampler when sampling on the host
     device_sampler: Any = None  # engine Sampler set as the slot's backend sampler
+    owns_device_sampler: bool = True  # False for the slot's resident greedy chain
     structured: Any = None  # structured-output matcher (host path)
     probs: Any = None  # ProbReporter when the client asked for n_probs
     n_past_prompt: int = 0  # prompt tokens already in the KV
@@ -45,9 +46,10 @@ class Task:
         return self.req.prompt
 
     def close(self) -> None:
-        for s in (self.host_sampler, self.device_sampler):
-            if s is not None:
-                s.close()
+        if self.host_sampler is not None:
+            self.host_sampler.close()
+        if self.device_sampler is not None and self.owns_device_sampler:
+            self.device_sampler.close()
         self.host_sampler = self.device_sampler = None
 
 
@@ -59,6 +61,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # tokens whose KV this sequence holds, positions 0..n-1
     task: Task | None = None
     t_last_used: float = 0.0
+    backend: Any = None  # the sampler chain attached to this sequence in the context, if any
 
     @property
     def idle(self) -> bool:
