@@ -55,6 +55,21 @@ class ModelSettings:
 
 
 @dataclass(frozen=True)
+class SpecSettings:
+    """Speculative decoding (docs/speculative.md); names and defaults follow llama-server's --spec-* flags."""
+
+    type: str = "none"  # none | draft-simple | draft-mtp | ngram-simple
+    draft_model: str | None = None
+    draft_n_gpu_layers: int = -1
+    draft_devices: tuple[str, ...] = ()  # empty: the target's -dev
+    draft_type_k: str = "f16"
+    draft_type_v: str = "f16"
+    n_max: int = 3  # most tokens drafted per step (a request's speculative.n_max overrides)
+    n_min: int = 0  # drafts made before --spec-draft-p-min may cut a draft short
+    p_min: float = 0.0  # stop drafting when the draft model's top probability is below this
+
+
+@dataclass(frozen=True)
 class RuntimeSettings:
     model: ModelSettings = field(default_factory=ModelSettings)
     n_ctx: int = 0  # 0: the model's training context
@@ -71,11 +86,15 @@ class RuntimeSettings:
     embeddings: bool = False
     cache_prompt: bool = True
     cache_reuse: int = 0
+    cache_ram_mib: int = 8192  # host prompt cache budget; -1 = no limit, 0 = off
+    ctx_checkpoints: int = 32  # per slot, for models whose memory can't be cut (recurrent, SWA)
+    checkpoint_min_step: int = 8192  # tokens between checkpoints within one prompt
     queue_size: int = 256
     sampling: "SamplingParams | None" = None  # per-request defaults; copy before changing (the object is shared)
     n_predict: int = -1
     backend_sampling: bool = True  # sample on the device where the request allows it (issue 10)
     slot_save_path: str | None = None
+    spec: SpecSettings = field(default_factory=SpecSettings)
 
 
 @dataclass(frozen=True)
@@ -211,6 +230,13 @@ def _json_schema(v: str) -> dict:
     return schema
 
 
+def _non_negative_int(v: str) -> int:
+    n = _int(v)
+    if n < 0:
+        raise ValueError("must be >= 0")
+    return n
+
+
 def _positive_int(v: str) -> int:
     n = _int(v)
     if n <= 0:
@@ -224,6 +250,8 @@ G_MODEL, G_CTX, G_GPU, G_SAMPLING, G_HTTP, G_CACHE, G_LOG, G_PRESET = (
     "Model", "Context and batching", "GPU placement", "Sampling defaults (a request's own fields win)",
     "Server and HTTP", "Caching", "Logging", "Presets and config files",
 )
+G_SPEC = "Speculative decoding"
+SPEC_TYPE_NAMES = ("none", "draft-simple", "draft-mtp", "mtp", "ngram-simple")  # mtp: alias of draft-mtp
 
 
 @dataclass(frozen=True)
@@ -332,6 +360,30 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-bs", "--backend-sampling"), "backend_sampling", G_SAMPLING,
          "sample on the device where a request allows it (default: on in rigserve)", None,
          "LLAMA_ARG_BACKEND_SAMPLING", neg=("--no-backend-sampling",)),
+    Flag(("--spec-type",), "spec_type", G_SPEC, "speculative decoding: none, draft-simple (a draft model, -md), "
+         "ngram-simple (prompt lookup), draft-mtp/mtp (not supported yet) (default: none, or draft-simple with -md)",
+         _choice(*SPEC_TYPE_NAMES), "LLAMA_ARG_SPEC_TYPE", metavar="TYPE"),
+    Flag(("--spec-draft-model", "-md", "--model-draft"), "spec_draft_model", G_SPEC,
+         "draft model for speculative decoding (same vocabulary as the model)", str, "LLAMA_ARG_SPEC_DRAFT_MODEL",
+         metavar="FNAME"),
+    Flag(("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), "spec_draft_ngl", G_SPEC,
+         "max. draft model layers in VRAM: a number, 'auto' or 'all' (default: auto)", _ngl,
+         "LLAMA_ARG_N_GPU_LAYERS_DRAFT", metavar="N"),
+    Flag(("--spec-draft-device", "-devd", "--device-draft"), "spec_draft_devices", G_SPEC,
+         "comma-separated devices for the draft model (none = don't offload; default: follows --device)",
+         lambda v: tuple(_csv(v)), metavar="<dev1,dev2,..>"),
+    Flag(("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), "spec_draft_type_k", G_SPEC,
+         "KV cache data type for K of the draft model (default: f16)", _choice(*KV_CACHE_TYPES),
+         "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K", metavar="TYPE"),
+    Flag(("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), "spec_draft_type_v", G_SPEC,
+         "KV cache data type for V of the draft model (default: f16)", _choice(*KV_CACHE_TYPES),
+         "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", metavar="TYPE"),
+    Flag(("--spec-draft-n-max",), "spec_n_max", G_SPEC, "most tokens drafted per step (default: 3)",
+         _non_negative_int, "LLAMA_ARG_SPEC_DRAFT_N_MAX", metavar="N"),
+    Flag(("--spec-draft-n-min",), "spec_n_min", G_SPEC, "drafts made before --spec-draft-p-min may stop drafting "
+         "(default: 0)", _non_negative_int, "LLAMA_ARG_SPEC_DRAFT_N_MIN", metavar="N"),
+    Flag(("--spec-draft-p-min", "--draft-p-min"), "spec_p_min", G_SPEC, "stop drafting when the draft model's top "
+         "probability is below P (default: 0.00)", _float, "LLAMA_ARG_SPEC_DRAFT_P_MIN", metavar="P"),
     Flag(("--host",), "host", G_HTTP, "addresses to listen on, comma-separated, or a UNIX socket path ending in "
          ".sock (default: 127.0.0.1)", _csv, "LLAMA_ARG_HOST", metavar="HOST"),
     Flag(("--port",), "port", G_HTTP, "port to listen on (default: 8080)", _int, "LLAMA_ARG_PORT", metavar="PORT"),
@@ -363,6 +415,12 @@ FLAGS: tuple[Flag, ...] = (
          "on)", None, "LLAMA_ARG_CACHE_PROMPT", neg=("--no-cache-prompt",)),
     Flag(("--cache-reuse",), "cache_reuse", G_CACHE, "min chunk size to reuse from the cache via KV shifting "
          "(default: 0 = off)", _int, "LLAMA_ARG_CACHE_REUSE", metavar="N"),
+    Flag(("-cram", "--cache-ram"), "cache_ram_mib", G_CACHE, "host-RAM prompt cache budget in MiB (default: "
+         "8192, -1 = no limit, 0 = off)", _int, "LLAMA_ARG_CACHE_RAM", metavar="N"),
+    Flag(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), "ctx_checkpoints", G_CACHE, "max checkpoints per "
+         "slot for recurrent/SWA models (default: 32)", _int, "LLAMA_ARG_CTX_CHECKPOINTS", metavar="N"),
+    Flag(("-cms", "--checkpoint-min-step"), "checkpoint_min_step", G_CACHE, "min tokens between two checkpoints "
+         "of one prompt (default: 8192)", _int, "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", metavar="N"),
     Flag(("--slot-save-path",), "slot_save_path", G_CACHE, "directory for saved slot KV caches", str,
          metavar="PATH"),
     Flag(("--log-level",), "log_level", G_LOG, "debug, info, warning or error (default: info)",
@@ -377,8 +435,7 @@ FLAGS: tuple[Flag, ...] = (
 
 # llama-server flags users commonly pass that rigserve does not implement yet: refused by name, never ignored.
 UNSUPPORTED_FLAGS = frozenset("""
---spec-type -md --model-draft --spec-draft-model -ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl
--devd --device-draft --draft --draft-n --draft-max --draft-min --draft-n-min --draft-p-min --spec-default
+--draft --draft-n --draft-max --draft-min --draft-n-min --spec-default
 -mm --mmproj -mmu --mmproj-url --mmproj-auto --no-mmproj --mmproj-offload --no-mmproj-offload
 --lora --lora-scaled --lora-init-without-apply --control-vector --control-vector-scaled
 --rope-scaling --rope-scale --rope-freq-base --rope-freq-scale --yarn-orig-ctx --yarn-ext-factor
@@ -387,7 +444,7 @@ UNSUPPORTED_FLAGS = frozenset("""
 --mlock --no-mmap --mmap -dio --direct-io --numa --rpc --override-kv --check-tensors -fit --fit -fitt --fit-target
 -fitc --fit-ctx -kvo --kv-offload -nkvo --no-kv-offload --no-op-offload --op-offload --repack --no-repack --no-host
 -ncffn --n-cpu-ffn -nocb --no-cont-batching --context-shift --no-context-shift --keep -dt --defrag-thold
--ctxcp --ctx-checkpoints --swa-checkpoints -cram --cache-ram --cache-idle-slots --kv-unified-per-slot
+--cache-idle-slots --kv-unified-per-slot
 -sps --slot-prompt-similarity --sleep-idle-seconds --pooling --rerank --reranking --embd-normalize
 --samplers --sampler-seq --sampling-seq -l --logit-bias --mirostat --mirostat-lr --mirostat-ent
 --dry-multiplier --dry-base --dry-allowed-length --dry-penalty-last-n --dry-sequence-breaker
@@ -605,6 +662,25 @@ def _model_settings(v: Mapping[str, Any]) -> ModelSettings:
     )
 
 
+def _spec_settings(v: Mapping[str, Any]) -> SpecSettings:
+    draft = v.get("spec_draft_model")
+    kind = v.get("spec_type")
+    if kind is None:  # like upstream, a draft model alone means draft-model speculation
+        kind = "draft-simple" if draft else "none"
+    kind = "draft-mtp" if kind == "mtp" else kind
+    if kind == "draft-simple" and not draft:
+        raise ConfigError("--spec-type draft-simple needs a draft model: -md/--model-draft FNAME")
+    p_min = v.get("spec_p_min", 0.0)
+    if not 0.0 <= p_min <= 1.0:
+        raise ConfigError(f"invalid value for --spec-draft-p-min: {p_min} is not a probability (0-1)")
+    return SpecSettings(
+        type=kind, draft_model=draft, draft_n_gpu_layers=v.get("spec_draft_ngl", -1),
+        draft_devices=tuple(v.get("spec_draft_devices", ())), draft_type_k=v.get("spec_draft_type_k", "f16"),
+        draft_type_v=v.get("spec_draft_type_v", "f16"), n_max=v.get("spec_n_max", 3),
+        n_min=v.get("spec_n_min", 0), p_min=p_min,
+    )
+
+
 def _runtime_settings(v: Mapping[str, Any], model: ModelSettings) -> RuntimeSettings:
     n_parallel = v.get("n_parallel", -1)
     kv_unified = bool(v.get("kv_unified", False))
@@ -624,9 +700,11 @@ def _runtime_settings(v: Mapping[str, Any], model: ModelSettings) -> RuntimeSett
         type_k=v.get("type_k", "f16"), type_v=v.get("type_v", "f16"), kv_unified=kv_unified,
         swa_full=bool(v.get("swa_full", False)), embeddings=embeddings,
         cache_prompt=bool(v.get("cache_prompt", True)), cache_reuse=v.get("cache_reuse", 0),
+        cache_ram_mib=v.get("cache_ram_mib", 8192), ctx_checkpoints=max(0, v.get("ctx_checkpoints", 32)),
+        checkpoint_min_step=_checked_min_step(v.get("checkpoint_min_step", 8192)),
         queue_size=v.get("queue_size") or max(256, 4 * n_parallel), sampling=_sampling_defaults(v),
         n_predict=v.get("n_predict", -1), backend_sampling=bool(v.get("backend_sampling", True)),
-        slot_save_path=v.get("slot_save_path"),
+        slot_save_path=v.get("slot_save_path"), spec=_spec_settings(v),
     )
 
 
@@ -672,6 +750,12 @@ def layer_sources(argv: list[str], environ: Mapping[str, str] = os.environ) -> t
             found[ref[0].dest] = value
         i += 1
     return found["preset"], found["config_file"]
+
+
+def _checked_min_step(n: int) -> int:
+    if n < 0:
+        raise ConfigError("checkpoint-min-step must be non-negative")
+    return n
 
 
 def load_settings(

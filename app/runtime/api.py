@@ -92,6 +92,11 @@ class GenerationRequest:
     id_slot: int = -1  # -1: the scheduler picks (longest common prefix)
     return_tokens: bool = False
     n_indent: int = 0
+    user_starts: list[int] = field(default_factory=list)  # prompt positions where user messages begin
+    # speculative decoding overrides (JSON speculative.n_max/n_min/p_min); None: the server's --spec-draft-*
+    spec_n_max: int | None = None  # 0 turns speculation off for this request
+    spec_n_min: int | None = None
+    spec_p_min: float | None = None
     id: int = field(default_factory=lambda: next(_ids))
 
 
@@ -142,6 +147,8 @@ class Timings:
     n_predicted: int = 0
     t_prompt_ms: float = 0.0
     t_predicted_ms: float = 0.0
+    n_draft: int | None = None  # speculative decoding: tokens drafted (None: the server does not speculate)
+    n_draft_accepted: int | None = None
 
 
 @dataclass

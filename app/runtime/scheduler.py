@@ -22,8 +22,10 @@ from typing import Any, Callable
 
 from app.engine import Batch, Context, DecodeError, Model, Sampler
 from app.runtime.api import FinishReason, GenerationRequest, Timings
+from app.runtime.memory import SlotMemory
 from app.runtime.sampling import ProbReporter, build_chain, is_plain_greedy, needs_host
 from app.runtime.slots import Slot, SlotState, Task, pick_slot
+from app.runtime.speculative import DraftJob, Drafter
 
 log = logging.getLogger("app.runtime")
 
@@ -40,7 +42,8 @@ class Scheduler:
 
     def __init__(self, model: Model, ctx: Context, n_slots: int, *, device_sampling: bool,
                  cache_prompt: bool, structured: Callable[[Any], Any] | None = None,
-                 greedy_chains: dict[int, Any] | None = None):
+                 greedy_chains: dict[int, Any] | None = None, memory: SlotMemory,
+                 drafter: Drafter | None = None, spec: Any = None):
         self.model = model
         self.ctx = ctx
         self.vocab = model.vocab
@@ -53,6 +56,7 @@ class Scheduler:
         self.device_sampling = device_sampling
         self.cache_prompt = cache_prompt
         self.make_matcher = structured
+        self.memory = memory
         self.batch = Batch(self.n_batch, n_seq_max=1)
         self.waiting: collections.deque[Task] = collections.deque()
         self.outbox: list[tuple[Callable, Message]] = []
@@ -62,6 +66,12 @@ class Scheduler:
         self.n_gen_total = 0
         self.t_prompt_total = 0.0
         self.t_gen_total = 0.0
+        # Speculative decoding (app/runtime/speculative.py): the drafter and the server's --spec-draft-* values.
+        self.drafter = drafter
+        self.spec = spec
+        self.n_draft_total = 0
+        self.n_draft_accepted_total = 0
+        self.n_verify_total = 0  # steps in which a slot verified drafts
 
     # ---- admission ------------------------------------------------------------------------------------
 
@@ -99,11 +109,8 @@ class Scheduler:
         n_keep = min(n_keep, len(task.prompt) - 1)
         if task.embedding:
             n_keep = 0
-        if not self.ctx.seq_rm(slot.id, n_keep, -1):
-            # Recurrent/SWA state can't be cut at an arbitrary position: start this sequence afresh.
-            self.ctx.seq_rm(slot.id, 0, -1)
-            n_keep = 0
-        del slot.tokens[n_keep:]
+        use_cache = self.cache_prompt and task.req.cache_prompt and not task.embedding
+        n_keep = self.memory.prepare(slot, task.prompt, n_keep if use_cache else 0, use_cache)
         task.n_past_prompt = task.n_cached = n_keep
         task.t_start = time.perf_counter()
         if not task.embedding:
@@ -161,20 +168,27 @@ class Scheduler:
         b = self.batch
         b.clear()
         outputs: list[tuple[Slot, int]] = []
-        for slot in self.slots:
+        gen = [s for s in self.slots
+               if s.state is SlotState.GENERATING and s.task is not None and s.task.pending is not None]
+        drafts = self._draft(gen) if self.drafter is not None and gen else {}
+        for slot in gen:
             task = slot.task
-            if slot.state is SlotState.GENERATING and task is not None and task.pending is not None:
-                outputs.append((slot, b.n_tokens))
-                b.add(task.pending, len(slot.tokens), slot.id, True)
-                slot.tokens.append(task.pending)
-                task.pending = None
+            outputs.append((slot, b.n_tokens))
+            b.add(task.pending, len(slot.tokens), slot.id, True)
+            slot.tokens.append(task.pending)
+            task.pending = None
+            # Drafts follow the pending token in the same sequence, each with logits: _verify samples them all.
+            task.drafts = drafts.get(slot.id)
+            for t in task.drafts or ():
+                b.add(t, len(slot.tokens), slot.id, True)
+                slot.tokens.append(t)
         budget = self.n_batch - b.n_tokens
         prefill = sorted((s for s in self.slots if s.state is SlotState.PREFILL), key=lambda s: s.task.t_arrival)
         for slot in prefill:
             if budget <= 0:
                 break
             task = slot.task
-            chunk = task.prompt[task.n_past_prompt : task.n_past_prompt + budget]
+            chunk = task.prompt[task.n_past_prompt : self.memory.chunk_end(slot, task, budget)]
             last = task.n_past_prompt + len(chunk) == len(task.prompt)
             b.add_many(chunk, len(slot.tokens), slot.id, logits_last=last)
             if last:
@@ -198,8 +212,75 @@ class Scheduler:
                     self._emit_embedding(slot, task, i, now)
                     continue
                 slot.state = SlotState.GENERATING
+            if task.drafts:
+                self._verify(slot, task, i, now)
+                continue
             token, prob = self._sample(slot, task, i)
             self._on_token(slot, task, token, prob, now)
+
+    # ---- speculative decoding -----------------------------------------------------------------------------
+
+    def _draft(self, gen: list[Slot]) -> dict[int, list[int]]:
+        """Drafts for all generating slots in one drafter call; each slot's length is capped before drafting by
+        its remaining budget and by the batch room left after every generating slot's own token."""
+        room = self.n_batch - len(gen)
+        jobs = []
+        for slot in gen:
+            task, req = slot.task, slot.task.req
+            n = min(self._draft_budget(slot, task), room)
+            if n <= 0:
+                continue
+            room -= n
+            jobs.append(DraftJob(
+                slot.id, slot.tokens, task.pending, n,
+                n_min=self.spec.n_min if req.spec_n_min is None else req.spec_n_min,
+                p_min=self.spec.p_min if req.spec_p_min is None else req.spec_p_min,
+            ))
+        if not jobs:
+            return {}
+        self.drafter.draft(jobs)
+        return {j.seq: j.drafts[:j.n_max] for j in jobs if j.drafts}
+
+    def _draft_budget(self, slot: Slot, task: Task) -> int:
+        req = task.req
+        n = self.spec.n_max if req.spec_n_max is None else req.spec_n_max
+        if req.n_predict >= 0:  # the step yields one token of the target's own beyond the accepted drafts
+            n = min(n, req.n_predict - task.n_generated - 1)
+        # The pending token goes at position len(slot.tokens), the drafts after it: all must fit in the slot,
+        # one short of the point where the request ends as truncated anyway.
+        return min(n, slot.n_ctx - 2 - len(slot.tokens))
+
+    def _verify(self, slot: Slot, task: Task, i: int, now: float) -> None:
+        """Accept the longest prefix of the drafts the target samples itself, plus one token of its own.
+
+        Output i is the pending token's, output i+j the j-th draft's. Position j is sampled, with the request's
+        own chain, only when drafts 1..j all matched, so the context behind it equals what a run without drafts
+        would have had: every token sampled here is the token that run would sample (greedy and seeded alike;
+        the chain's state advances by exactly the tokens kept). The first mismatch ends the step.
+        """
+        drafts, task.drafts = task.drafts, None
+        n_kv = len(slot.tokens)  # the KV holds the pending token and every draft now
+        del slot.tokens[n_kv - len(drafts):]  # drafts come back one by one as they are accepted
+        tokens: list[int] = []
+        probs: list[Any] = []
+        stop = None
+        for j in range(len(drafts) + 1):
+            token, prob = self._sample(slot, task, i + j)
+            tokens.append(token)
+            probs.append(prob)
+            stop = self._stop_reason(slot, task, token)
+            if stop is not None or j == len(drafts) or token != drafts[j]:
+                break
+            slot.tokens.append(token)  # accepted: its KV is already in place
+        n_accepted = sum(1 for t, d in zip(tokens, drafts) if t == d)
+        if len(slot.tokens) < n_kv:
+            self.ctx.seq_rm(slot.id, len(slot.tokens), -1)  # roll back the rejected drafts
+        task.n_draft += len(drafts)
+        task.n_draft_accepted += n_accepted
+        self.n_draft_total += len(drafts)
+        self.n_draft_accepted_total += n_accepted
+        self.n_verify_total += 1
+        self._deliver(slot, task, tokens, probs, stop, now)
 
     def _emit_embedding(self, slot: Slot, task: Task, i: int, now: float) -> None:
         vec = self.ctx.embeddings_seq(slot.id)
@@ -208,7 +289,7 @@ class Scheduler:
         self._post(task, ("embedding", [float(x) for x in vec]))
         # Embedding inputs are not cached: the next request starts this sequence afresh.
         self.ctx.seq_rm(slot.id, 0, -1)
-        slot.tokens.clear()
+        self.memory.wipe(slot)
         self._finish(slot, FinishReason.STOP, now)
 
     def _sample(self, slot: Slot, task: Task, i: int) -> tuple[int, Any]:
@@ -227,21 +308,34 @@ class Scheduler:
         return token, prob
 
     def _on_token(self, slot: Slot, task: Task, token: int, prob: Any, now: float) -> None:
+        self._deliver(slot, task, [token], [prob], self._stop_reason(slot, task, token), now)
+
+    def _stop_reason(self, slot: Slot, task: Task, token: int) -> tuple[FinishReason, bool, bool] | None:
+        """Count a sampled token; (reason, stopped_eos, truncated) if the request ends with it, else None.
+        `slot.tokens` must be what the KV holds when the token is sampled (the same rule with or without drafts)."""
         req = task.req
-        eog = self.vocab.is_eog(token) and not req.sampling.ignore_eos
         task.n_generated += 1
-        if eog:
-            self._finish(slot, FinishReason.STOP, now, stopped_eos=True)
-            return
-        self._post(task, ("tokens", [token], [prob] if prob is not None else None))
+        if self.vocab.is_eog(token) and not req.sampling.ignore_eos:
+            return FinishReason.STOP, True, False
         if req.n_predict >= 0 and task.n_generated >= req.n_predict:
-            self._finish(slot, FinishReason.LENGTH, now)
-        elif len(slot.tokens) + 1 >= slot.n_ctx:
-            self._finish(slot, FinishReason.LENGTH, now, truncated=True)
-        elif task.structured is not None and task.structured.done():
-            self._finish(slot, FinishReason.STOP, now)
+            return FinishReason.LENGTH, False, False
+        if len(slot.tokens) + 1 >= slot.n_ctx:
+            return FinishReason.LENGTH, False, True
+        if task.structured is not None and task.structured.done():
+            return FinishReason.STOP, False, False
+        return None
+
+    def _deliver(self, slot: Slot, task: Task, tokens: list[int], probs: list[Any],
+                 stop: tuple[FinishReason, bool, bool] | None, now: float) -> None:
+        """Send a step's tokens in one message; then end the request or keep the last token for the next step."""
+        if stop is not None and stop[1]:  # the end-of-generation token is not part of the output
+            tokens, probs = tokens[:-1], probs[:-1]
+        if tokens:
+            self._post(task, ("tokens", tokens, probs if task.probs is not None else None))
+        if stop is None:
+            task.pending = tokens[-1]
         else:
-            task.pending = token
+            self._finish(slot, stop[0], now, stopped_eos=stop[1], truncated=stop[2])
 
     # ---- finishing ------------------------------------------------------------------------------------
 
@@ -257,6 +351,8 @@ class Scheduler:
             n_predicted=task.n_generated,
             t_prompt_ms=((task.t_first or now) - task.t_start) * 1e3,
             t_predicted_ms=t_gen * 1e3,
+            n_draft=task.n_draft if self.drafter is not None else None,
+            n_draft_accepted=task.n_draft_accepted if self.drafter is not None else None,
         )
         self._post(task, ("done", reason, timings, slot.id, stopped_eos, truncated, error))
         self._release(slot)
@@ -299,7 +395,7 @@ class Scheduler:
         for slot in self.slots:
             if slot.task is not None and slot.state is not SlotState.IDLE:
                 self.ctx.seq_rm(slot.id, 0, -1)
-                slot.tokens.clear()
+                self.memory.wipe(slot)
                 self._finish(slot, FinishReason.ERROR, now, error=f"the engine failed to decode: {message}")
 
     def fail_all(self, message: str) -> list[tuple[Callable, Message]]:

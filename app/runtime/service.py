@@ -35,6 +35,7 @@ from app.runtime.api import (
     SlotInfo,
 )
 from app.runtime.handle import EmbeddingHandle, RequestHandle, TokenText
+from app.runtime.memory import SlotMemory
 from app.runtime.scheduler import Inbox, Scheduler, run_engine_thread
 from app.runtime.slots import Task
 
@@ -110,6 +111,8 @@ class Runtime:
         return Scheduler(
             model, ctx, n_slots, device_sampling=bool(use_device), cache_prompt=s.cache_prompt,
             structured=matcher_factory(model.vocab), greedy_chains=samplers,
+            memory=SlotMemory(ctx, model, n_slots, cache_ram_mib=s.cache_ram_mib, ctx_checkpoints=s.ctx_checkpoints,
+                              checkpoint_min_step=s.checkpoint_min_step, swa_full=s.swa_full),
         )
 
     def _on_ready_threadsafe(self, sched: Scheduler | None, err: BaseException | None) -> None:

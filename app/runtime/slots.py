@@ -36,6 +36,9 @@ class Task:
     n_cached: int = 0  # of which reused from the slot's previous request
     n_generated: int = 0
     pending: int | None = None  # sampled, sent, not yet decoded
+    drafts: list[int] | None = None  # speculative tokens in this step's batch after `pending`, to verify
+    n_draft: int = 0  # speculative: tokens drafted for this request
+    n_draft_accepted: int = 0
     cancelled: bool = False
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
