@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 
 from app.engine import Batch, Context, DecodeError, Model, Sampler
-from app.runtime.api import FinishReason, GenerationRequest, Timings
+from app.runtime.api import FinishReason, GenerationRequest, InvalidRequest, Timings
 from app.runtime.memory import SlotMemory
 from app.runtime.sampling import ProbReporter, build_chain, is_plain_greedy, needs_host
 from app.runtime.slots import Slot, SlotState, Task, pick_slot
@@ -75,8 +75,24 @@ class Scheduler:
 
     # ---- admission ------------------------------------------------------------------------------------
 
-    def admit(self, task: Task) -> None:
+    def admit(self, task: "Task | Control") -> None:
+        if isinstance(task, Control):
+            # Slot save/restore/erase run between steps, on this thread, with the scheduler at rest.
+            try:
+                self.outbox.append((task.post, ("result", task.fn(self))))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the engine carries on
+                self.outbox.append((task.post, ("error", e)))
+            return
         self.waiting.append(task)
+
+    def idle_slot(self, id_slot: int) -> Slot:
+        """The slot for a slot action; it must exist and not be serving a request."""
+        if not 0 <= id_slot < len(self.slots):
+            raise InvalidRequest(f"Invalid slot ID: {id_slot} (this server has {len(self.slots)} slots)")
+        slot = self.slots[id_slot]
+        if not slot.idle:
+            raise InvalidRequest(f"slot {id_slot} is processing a request; retry when it is idle")
+        return slot
 
     def _drop_cancelled(self) -> None:
         if any(t.cancelled for t in self.waiting):
@@ -437,6 +453,15 @@ def run_engine_thread(sched_factory: Callable[[], Scheduler], inbox: "Inbox",
         deliver(sched.fail_all(f"the engine thread failed: {e}"))
     finally:
         on_ready(sched, StopIteration())
+
+
+class Control:
+    """A function to run on the engine thread between steps; its result goes to `post` on the loop."""
+
+    def __init__(self, fn: Callable[[Scheduler], Any], post: Callable[[tuple], None]):
+        self.fn = fn
+        self.post = post
+        self.cancelled = False
 
 
 class Inbox:

@@ -36,8 +36,9 @@ from app.runtime.api import (
 )
 from app.runtime.handle import EmbeddingHandle, RequestHandle, TokenText
 from app.runtime.memory import SlotMemory
-from app.runtime.scheduler import Inbox, Scheduler, run_engine_thread
+from app.runtime.scheduler import Control, Inbox, Scheduler, run_engine_thread
 from app.runtime.slots import Task
+from app.runtime.speculative import SpecUnsupported, make_drafter
 
 log = logging.getLogger("app.runtime")
 
@@ -101,9 +102,15 @@ class Runtime:
                 type_k=s.type_k, type_v=s.type_v, kv_unified=s.kv_unified, swa_full=s.swa_full,
                 embeddings=s.embeddings, backend_samplers=samplers,
             )
+            try:
+                drafter = self._make_drafter(model, n_ctx, n_slots)
+            except BaseException:
+                ctx.close()
+                raise
         except BaseException:
             model.close()
             raise
+        self._drafter = drafter
         self._model = model
         self._placeholder_samplers = samplers
         from app.runtime.structured import matcher_factory
@@ -113,12 +120,30 @@ class Runtime:
             structured=matcher_factory(model.vocab), greedy_chains=samplers,
             memory=SlotMemory(ctx, model, n_slots, cache_ram_mib=s.cache_ram_mib, ctx_checkpoints=s.ctx_checkpoints,
                               checkpoint_min_step=s.checkpoint_min_step, swa_full=s.swa_full),
+            drafter=drafter, spec=getattr(s, "spec", None),
         )
+
+    def _make_drafter(self, model: Model, n_ctx: int, n_slots: int) -> Any:
+        """Engine thread: the speculative drafter the settings ask for (docs/speculative.md), or None."""
+        s = self.settings
+        spec = getattr(s, "spec", None)
+        if spec is None or spec.type == "none":
+            return None
+        if model.is_recurrent or model.is_hybrid:
+            # Rejected drafts are rolled back with seq_rm, which recurrent state can't do without snapshots.
+            raise SpecUnsupported(f"speculative decoding is not supported yet for recurrent/hybrid models "
+                                  f"({model.arch}); start without --spec-type")
+        return make_drafter(spec, model, n_ctx=n_ctx, n_slots=n_slots, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
+                            target_devices=tuple(s.model.devices or ()),
+                            ctx_kw=dict(n_threads=s.n_threads, n_threads_batch=s.n_threads_batch,
+                                        flash_attn=s.flash_attn, kv_unified=s.kv_unified))
 
     def _on_ready_threadsafe(self, sched: Scheduler | None, err: BaseException | None) -> None:
         if isinstance(err, StopIteration):
             self._stopped.set()
             if sched is not None:
+                if sched.drafter is not None:
+                    sched.drafter.close()
                 sched.ctx.close()
                 if self._model is not None:
                     self._model.close()
@@ -226,6 +251,26 @@ class Runtime:
         handle.attach(task)
         self._inbox.put(task)
 
+    def slot_actions(self) -> Any:
+        """Save/restore/erase of slots (needs --slot-save-path)."""
+        if getattr(self, "_slot_actions", None) is None:
+            from app.runtime.slot_actions import SlotActions
+
+            self._slot_actions = SlotActions(self, self.settings.slot_save_path)
+        return self._slot_actions
+
+    async def on_engine(self, fn: Any) -> Any:
+        """Run fn(scheduler) on the engine thread between steps; return its result or raise its error."""
+        self._require_ready()
+        fut = self._loop.create_future()
+
+        def post(msg: tuple) -> None:
+            if not fut.done():
+                (fut.set_result if msg[0] == "result" else fut.set_exception)(msg[1])
+
+        self._inbox.put(Control(fn, post))
+        return await fut
+
     # ---- engine -> loop -----------------------------------------------------------------------------------
 
     def _deliver_threadsafe(self, msgs: list) -> None:
@@ -258,6 +303,12 @@ class Runtime:
             "requests_processing": busy,
             "requests_deferred": len(s.waiting) + self._inbox.n_pending,
             "n_slots": len(s.slots),
+            # speculative decoding, under the names /metrics reads (and the short names of the runtime's API)
+            "spec_decode_num_draft_tokens_total": s.n_draft_total,
+            "spec_decode_num_accepted_tokens_total": s.n_draft_accepted_total,
+            "spec_decode_num_drafts_total": s.n_verify_total,
+            "spec_decode_draft_total": s.n_draft_total,
+            "spec_decode_accepted_total": s.n_draft_accepted_total,
         }
 
 

@@ -4,11 +4,13 @@ apply-template. Shapes follow llama-server's; none of them touches the engine th
 
 from __future__ import annotations
 
+import json
 import time
 
 from aiohttp import web
 
-from app.runtime.api import GenerationRequest
+from app.engine import EngineError
+from app.runtime.api import GenerationRequest, InvalidRequest
 from app.server import convert, metrics
 from app.server.errors import NOT_SUPPORTED, UNAVAILABLE, ApiError
 from app.server.formats import generation_params
@@ -107,9 +109,29 @@ async def slot_action(request: web.Request) -> web.Response:
     state = get_state(request)
     if not state.settings.runtime.slot_save_path:
         raise ApiError(501, "slot actions are off on this server: start it with --slot-save-path", NOT_SUPPORTED)
-    if request.query.get("action") not in ("save", "restore", "erase"):
+    action = request.query.get("action")
+    if action not in ("save", "restore", "erase"):
         raise ApiError(400, "Invalid action")
-    raise ApiError(501, "saving, restoring and erasing slots is not implemented yet", NOT_SUPPORTED)
+    try:
+        id_slot = int(request.match_info["id_slot"])
+    except ValueError:
+        raise ApiError(400, "Invalid slot ID") from None
+    actions = state.runtime.slot_actions()
+    try:
+        if action == "erase":
+            return web.json_response(await actions.erase(id_slot))
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except json.JSONDecodeError:
+            raise ApiError(400, "the body is not valid JSON: send {\"filename\": \"NAME\"}") from None
+        filename = body.get("filename") if isinstance(body, dict) else None
+        if action == "save":
+            return web.json_response(await actions.save(id_slot, filename))
+        return web.json_response(await actions.restore(id_slot, filename))
+    except FileNotFoundError:
+        raise ApiError(400, f"no saved slot named {filename!r} in the slot save path") from None
+    except (ValueError, EngineError, InvalidRequest) as e:  # bad names, bad files (SlotFileError), busy slots, refused states
+        raise ApiError(400, f"Unable to {action} slot: {e}") from None
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
