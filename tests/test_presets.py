@@ -223,8 +223,9 @@ def test_preset_by_name_ignores_the_detected_gpus(catalog):
 
 def test_preset_detected_from_the_inventory(catalog):
     layer, line = preset_layer(None, rig(gpu(0, "NVIDIA H200", "9.0")), catalog=catalog)
+    # spec-draft-n-max sits in the preset's [later] table and applies now that config knows the flag.
     assert layer == {"n_ubatch": 2048, "n_batch": 2048, "flash_attn": "on", "type_k": "f16", "type_v": "f16",
-                     "split_mode": "layer"}
+                     "split_mode": "layer", "spec_n_max": 8}
     assert line.startswith("preset nvidia-hopper") and "ubatch-size=2048" in line
 
 

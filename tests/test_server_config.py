@@ -98,7 +98,7 @@ def test_unknown_flag_suggests_the_closest():
         load("--frobnicate")
 
 
-@pytest.mark.parametrize("flag", ["--spec-type", "-md", "--mmproj", "--lora", "--rope-scaling", "--no-mmap"])
+@pytest.mark.parametrize("flag", ["--draft-max", "--mmproj", "--lora", "--rope-scaling", "--no-mmap"])
 def test_unsupported_llama_server_flag(flag):
     with pytest.raises(ConfigError) as e:
         load(flag, "x")

@@ -42,7 +42,9 @@ def bench_server(
     long_prompt: int = typer.Option(2000, "--long-prompt", help="prompt size of the prompt-speed test"),
     extra: str = typer.Option("", "--server-args", help="extra flags for both servers, e.g. '-ngl 99 -fa on'"),
     ctx_per_stream: int = typer.Option(1024, "--ctx-per-stream"),
-    which: str = typer.Option("ours,upstream", "--servers"),
+    which: str = typer.Option("ours,upstream", "--servers", help="ours, upstream, upstream-bs, upstream-ub2048"),
+    variants: bool = typer.Option(False, "--vs-upstream-variants",
+                                  help="also run upstream with -bs and with -ub 2048 -b 4096"),
     out: Path = typer.Option(Path("bench-results"), "-o", "--out"),
 ) -> None:
     """Our server vs upstream llama-server under the same load: decode, prompt, aggregate t/s, TTFT."""
@@ -51,6 +53,7 @@ def bench_server(
     cfg = ServerBenchConfig(
         model=model, streams=[int(x) for x in streams.split(",") if x], n_prompt=n_prompt, n_gen=n_gen,
         long_prompt=long_prompt, extra_args=extra.split(), ctx_per_stream=ctx_per_stream,
-        servers=[x for x in which.split(",") if x], out=out,
+        servers=[x for x in which.split(",") if x] + (["upstream-bs", "upstream-ub2048"] if variants else []),
+        out=out,
     )
     raise typer.Exit(run_server_bench(cfg))

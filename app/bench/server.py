@@ -43,8 +43,12 @@ def _server_cmd(kind: str, cfg: ServerBenchConfig, n_slots: int, port: int) -> l
               "--port", str(port), *cfg.extra_args]
     if kind == "ours":
         # The same flags as upstream and nothing else: no tuning preset.
-        return [sys.executable, "-m", "app", "serve", "--preset", "none", *common]
-    return [str(lib_tool("llama-server")), *common]
+        return [sys.executable, "-m", "app", "serve", "--preset", "none", "--metrics", *common]
+    return [str(lib_tool("llama-server")), *common, *UPSTREAM_VARIANTS.get(kind, [])]
+
+
+# Upstream configurations worth beating besides its defaults (--vs-upstream-variants).
+UPSTREAM_VARIANTS = {"upstream": [], "upstream-bs": ["-bs"], "upstream-ub2048": ["-ub", "2048", "-b", "4096"]}
 
 
 async def _words_prompt(session: aiohttp.ClientSession, base: str, n_tokens: int, seed: int) -> list[int]:
@@ -97,7 +101,25 @@ async def _wave(base: str, cfg: ServerBenchConfig, n_streams: int) -> dict:
             lr = await _one(s, base, long, 1)
             out["prompt_tps"] = len(long) / lr["ttft"] if lr["ttft"] > 0 else 0.0
             del t0
+        out.update(await _host_share(s, base))
         return out
+
+
+async def _host_share(session: aiohttp.ClientSession, base: str) -> dict:
+    """Our server's host (Python) share of its engine steps, from /metrics; {} for upstream."""
+    async with session.get(f"{base}/metrics") as r:
+        if r.status != 200:
+            return {}
+        text = await r.text()
+    vals = {}
+    for line in text.splitlines():
+        for key in ("step_seconds_total", "step_engine_seconds_total"):
+            if line.startswith(f"llamacpp:{key} "):
+                vals[key] = float(line.split()[1])
+    step = vals.get("step_seconds_total", 0.0)
+    if step <= 0:
+        return {}
+    return {"host_share": 1.0 - vals.get("step_engine_seconds_total", 0.0) / step}
 
 
 def _run_one(kind: str, cfg: ServerBenchConfig, n_streams: int, log_dir: Path) -> dict:
@@ -129,6 +151,10 @@ def run_server_bench(cfg: ServerBenchConfig) -> int:
     metrics += [("aggregate_tps", f"aggregate t/s at {n}", n) for n in cfg.streams if n > 1]
     metrics += [("ttft_p50", f"TTFT p50 s at {n}", n) for n in cfg.streams]
     metrics += [("ttft_p99", f"TTFT p99 s at {n}", n) for n in cfg.streams]
+    for n in cfg.streams:
+        share = results.get("ours", {}).get(n, {}).get("host_share")
+        if share is not None:
+            print(f"ours at {n} stream(s): host (Python) share of engine steps {share:.1%}")
     for key, label, n in metrics:
         vals = [results[k].get(n, {}).get(key) for k in cfg.servers]
         if any(v is None for v in vals):

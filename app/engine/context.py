@@ -70,10 +70,11 @@ def _choice(table: dict, value, what: str) -> int:
 
 def _context_params(lib, *, n_ctx, n_batch, n_ubatch, n_seq_max, n_threads, n_threads_batch, flash_attn,
                     type_k, type_v, kv_unified, swa_full, n_rs_seq, embeddings, pooling, ctx_type,
-                    n_outputs_max, no_perf, offload_kqv, op_offload):
+                    n_outputs_max, no_perf, offload_kqv, op_offload, n_outputs_max_per_seq=1):
     """llama_context_params from Context's keyword arguments, validated (ContextError / ValueError)."""
     for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max),
-                    ("n_rs_seq", n_rs_seq), ("n_outputs_max", n_outputs_max)):
+                    ("n_rs_seq", n_rs_seq), ("n_outputs_max", n_outputs_max),
+                    ("n_outputs_max_per_seq", n_outputs_max_per_seq)):
         if not 0 <= int(v) <= _UINT32_MAX:
             raise ContextError(f"{name}={v} is out of range [0, {_UINT32_MAX}]")
     max_seq = int(lib.llama_max_parallel_sequences())
@@ -83,6 +84,8 @@ def _context_params(lib, *, n_ctx, n_batch, n_ubatch, n_seq_max, n_threads, n_th
     p = lib.llama_context_default_params()
     p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = int(n_ctx), int(n_batch), int(n_ubatch), int(n_seq_max)
     p.n_rs_seq, p.n_outputs_max = int(n_rs_seq), int(n_outputs_max)
+    # outputs one sequence may have in a batch when it has a backend sampler (speculative verify needs 1 + drafts)
+    p.n_outputs_max_per_seq = int(n_outputs_max_per_seq)
     p.n_threads, p.n_threads_batch = int(n_threads), int(n_threads_batch or n_threads)
     p.flash_attn_type = _choice(FLASH_ATTN, flash_attn, "flash_attn")
     p.type_k, p.type_v = ggml_type(lib, type_k), ggml_type(lib, type_v)
@@ -102,8 +105,8 @@ class Context:
                  kv_unified: bool = False, swa_full: bool = False, n_rs_seq: int = 0,
                  embeddings: bool = False, pooling: str | None = None, ctx_type: str = "default",
                  ctx_other: "Context | None" = None, backend_samplers: Mapping[int, object] | None = None,
-                 n_outputs_max: int = 0, no_perf: bool = False, offload_kqv: bool = True,
-                 op_offload: bool = True):
+                 n_outputs_max: int = 0, n_outputs_max_per_seq: int = 1, no_perf: bool = False,
+                 offload_kqv: bool = True, op_offload: bool = True):
         self._ptr = None
         ffi, lib = _ffi.load()
         self._ffi, self._lib, self.model = ffi, lib, model
@@ -114,8 +117,8 @@ class Context:
                             n_threads=n_threads, n_threads_batch=n_threads_batch, flash_attn=flash_attn,
                             type_k=type_k, type_v=type_v, kv_unified=kv_unified, swa_full=swa_full,
                             n_rs_seq=n_rs_seq, embeddings=embeddings, pooling=pooling, ctx_type=ctx_type,
-                            n_outputs_max=n_outputs_max, no_perf=no_perf, offload_kqv=offload_kqv,
-                            op_offload=op_offload)
+                            n_outputs_max=n_outputs_max, n_outputs_max_per_seq=n_outputs_max_per_seq,
+                            no_perf=no_perf, offload_kqv=offload_kqv, op_offload=op_offload)
         if ctx_other is not None:
             p.ctx_other = ctx_other._handle()
         self._backend_samplers: dict[int, object] = {}

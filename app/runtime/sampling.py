@@ -23,10 +23,16 @@ def needs_host(p: SamplingParams) -> bool:
     return p.n_probs > 0 or p.grammar is not None or p.json_schema is not None or p.typical_p < 1.0
 
 
-def is_plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with nothing that changes the logits first: any greedy chain gives the same token."""
+def stateless_key(p: SamplingParams) -> tuple | None:
+    """A key under which this request's device chain can be reused by a later request, or None.
+
+    Greedy chains with at most a fixed logit bias keep no state between tokens (no RNG, no penalty history),
+    so two requests with the same key may share one chain; everything else gets a fresh chain.
+    """
     no_penalty = p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-    return p.greedy and no_penalty and not p.logit_bias and not p.ignore_eos and not needs_host(p)
+    if not p.greedy or not no_penalty or needs_host(p):
+        return None
+    return tuple(sorted(p.logit_bias.items())), p.ignore_eos
 
 
 def build_chain(p: SamplingParams, vocab: Vocab, *, for_device: bool) -> Sampler:

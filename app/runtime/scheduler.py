@@ -23,7 +23,7 @@ from typing import Any, Callable
 from app.engine import Batch, Context, DecodeError, Model, Sampler
 from app.runtime.api import FinishReason, GenerationRequest, InvalidRequest, Timings
 from app.runtime.memory import SlotMemory
-from app.runtime.sampling import ProbReporter, build_chain, is_plain_greedy, needs_host
+from app.runtime.sampling import ProbReporter, build_chain, needs_host, stateless_key
 from app.runtime.slots import Slot, SlotState, Task, pick_slot
 from app.runtime.speculative import DraftJob, Drafter
 
@@ -50,9 +50,11 @@ class Scheduler:
         self.n_batch = ctx.n_batch
         n_ctx_slot = ctx.n_ctx // n_slots
         # Greedy chains the context was created with, one per slot, attached for the context's lifetime.
-        self.greedy_chains = greedy_chains or {}
-        self._initialised = {id(c) for c in self.greedy_chains.values()}  # chains the engine has set up
-        self.slots = [Slot(i, n_ctx_slot, backend=self.greedy_chains.get(i)) for i in range(n_slots)]
+        # Per slot: (key, chain) of the stateless greedy chain attached to its sequence; at first the plain
+        # greedy chains the context was created with.
+        self.resident: dict[int, tuple[tuple, Any]] = {i: (((), False), c) for i, c in (greedy_chains or {}).items()}
+        self.slots = [Slot(i, n_ctx_slot, backend=c) for i, (_, c) in self.resident.items()] or \
+            [Slot(i, n_ctx_slot) for i in range(n_slots)]
         self.device_sampling = device_sampling
         self.cache_prompt = cache_prompt
         self.make_matcher = structured
@@ -62,6 +64,8 @@ class Scheduler:
         self.outbox: list[tuple[Callable, Message]] = []
         self.n_steps = 0
         self.n_tokens_decoded = 0
+        self.t_step_total = 0.0  # seconds in steps that decoded something
+        self.t_engine_total = 0.0  # of which inside llama_decode and the wait for the device
         self.n_prompt_total = 0
         self.n_gen_total = 0
         self.t_prompt_total = 0.0
@@ -137,10 +141,11 @@ class Scheduler:
     def _setup_sampling(self, slot: Slot, task: Task) -> None:
         p = task.req.sampling
         on_device = self.device_sampling and not needs_host(p)
-        if on_device and is_plain_greedy(p) and slot.id in self.greedy_chains:
-            # Attaching a new chain makes the engine re-reserve its graph (~10 ms on the H200 per request);
-            # plain greedy requests reuse the slot's resident greedy chain instead.
-            task.device_sampler, task.owns_device_sampler = self._resident_greedy(slot), False
+        key = stateless_key(p) if on_device else None
+        if key is not None:
+            # Attaching a new chain makes the engine rebuild its graph (+6 ms on the first decode here on CPU,
+            # more where CUDA graphs are re-captured); stateless greedy chains stay attached and are reused.
+            task.device_sampler, task.owns_device_sampler = self._resident(slot, key, p), False
         elif on_device:
             task.device_sampler = build_chain(p, self.vocab, for_device=True)
         else:
@@ -165,18 +170,25 @@ class Scheduler:
 
     def step(self) -> list[tuple[Callable, Message]]:
         """Run one engine step; return the messages for the event loop."""
+        t0 = time.perf_counter()
         self._drop_cancelled()
         self._assign()
         outputs = self._build_batch()
         if self.batch.n_tokens:
             try:
+                t1 = time.perf_counter()
                 self.ctx.decode(self.batch)
+                # Waiting here instead of in the first read of a result costs nothing and splits the step's
+                # time cleanly into engine (graph build + device) and host (Python) parts.
+                self.ctx.synchronize()
+                self.t_engine_total += time.perf_counter() - t1
             except DecodeError as e:
                 self._fail_batch(outputs, str(e))
             else:
                 self.n_steps += 1
                 self.n_tokens_decoded += self.batch.n_tokens
                 self._after_decode(outputs)
+            self.t_step_total += time.perf_counter() - t0
         out, self.outbox = self.outbox, []
         return out
 
@@ -259,7 +271,8 @@ class Scheduler:
 
     def _draft_budget(self, slot: Slot, task: Task) -> int:
         req = task.req
-        n = self.spec.n_max if req.spec_n_max is None else req.spec_n_max
+        # A request may lower n_max, not raise it: the context's outputs per sequence were sized for the server's.
+        n = self.spec.n_max if req.spec_n_max is None else min(req.spec_n_max, self.spec.n_max)
         if req.n_predict >= 0:  # the step yields one token of the target's own beyond the accepted drafts
             n = min(n, req.n_predict - task.n_generated - 1)
         # The pending token goes at position len(slot.tokens), the drafts after it: all must fit in the slot,
@@ -311,6 +324,10 @@ class Scheduler:
     def _sample(self, slot: Slot, task: Task, i: int) -> tuple[int, Any]:
         if task.device_sampler is not None:
             token = self.ctx.sampled_token_ith(i)
+            if token < 0:
+                # Only a prefix of the chain ran on the device (e.g. penalties refuse several outputs per
+                # sequence, which speculation needs): the engine finishes the chain on the host and accepts.
+                return task.device_sampler.sample(self.ctx, i), None
             task.device_sampler.accept(token)
             return token, None
         logits = self.ctx.logits_ith(i)
@@ -385,13 +402,22 @@ class Scheduler:
         slot.state = SlotState.IDLE
         slot.t_last_used = time.perf_counter()
 
-    def _resident_greedy(self, slot: Slot) -> Any:
-        """The slot's long-lived greedy chain. The engine initialises a chain once, when first attached, so a
-        chain that was detached (a host-sampled request ran in between) is replaced by a fresh one."""
-        chain = self.greedy_chains[slot.id]
-        if slot.backend is not chain and id(chain) in self._initialised:
+    def _resident(self, slot: Slot, key: tuple, p: Any) -> Any:
+        """The slot's long-lived chain for stateless greedy requests with this key.
+
+        The engine initialises a chain once, when first attached; a resident chain that was replaced or
+        detached since (another kind of request ran in between) is freed and a fresh one made.
+        """
+        old_key, chain = self.resident.get(slot.id, (None, None))
+        if chain is not None and old_key == key and slot.backend is chain:
+            return chain
+        if chain is not None and slot.backend is not chain:
             chain.close()
-            chain = self.greedy_chains[slot.id] = Sampler.chain([Sampler.greedy()])
+        elif chain is not None:
+            self._attach(slot, None)  # detach the old resident chain before freeing it
+            chain.close()
+        chain = build_chain(p, self.vocab, for_device=True)
+        self.resident[slot.id] = (key, chain)
         return chain
 
     def _attach(self, slot: Slot, sampler: Any) -> bool:
@@ -400,8 +426,6 @@ class Scheduler:
             return True
         ok = self.ctx.set_backend_sampler(slot.id, sampler)
         slot.backend = sampler if ok else None
-        if ok and sampler is not None:
-            self._initialised.add(id(sampler))
         return ok
 
     def _fail_batch(self, outputs: list[tuple[Slot, int]], message: str) -> None:

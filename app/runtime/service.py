@@ -101,6 +101,8 @@ class Runtime:
                 n_threads=s.n_threads, n_threads_batch=s.n_threads_batch, flash_attn=s.flash_attn,
                 type_k=s.type_k, type_v=s.type_v, kv_unified=s.kv_unified, swa_full=s.swa_full,
                 embeddings=s.embeddings, backend_samplers=samplers,
+                # a speculating slot verifies its pending token and up to n_max drafts in one batch
+                n_outputs_max_per_seq=1 + _spec_n_max(s),
             )
             try:
                 drafter = self._make_drafter(model, n_ctx, n_slots)
@@ -300,6 +302,8 @@ class Runtime:
             "tokens_predicted_seconds_total": s.t_gen_total,
             "n_decode_total": s.n_steps,
             "n_tokens_decoded_total": s.n_tokens_decoded,
+            "step_seconds_total": s.t_step_total,
+            "step_engine_seconds_total": s.t_engine_total,
             "requests_processing": busy,
             "requests_deferred": len(s.waiting) + self._inbox.n_pending,
             "n_slots": len(s.slots),
@@ -310,6 +314,11 @@ class Runtime:
             "spec_decode_draft_total": s.n_draft_total,
             "spec_decode_accepted_total": s.n_draft_accepted_total,
         }
+
+
+def _spec_n_max(s: Any) -> int:
+    spec = getattr(s, "spec", None)
+    return spec.n_max if spec is not None and spec.type != "none" else 0
 
 
 def _deliver(msgs: list) -> None:

@@ -190,6 +190,7 @@ def generation_request(
         id_slot=-1 if f.id_slot is None else f.id_slot,
         return_tokens=bool(f.return_tokens),
         n_indent=f.n_indent or 0,
+        spec_n_max=f.speculative_n_max, spec_n_min=f.speculative_n_min, spec_p_min=f.speculative_p_min,
     )
 
 

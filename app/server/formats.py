@@ -45,6 +45,8 @@ def timings_out(t: Timings) -> S.TimingsOut:
         predicted_ms=t.t_predicted_ms,
         predicted_per_token_ms=t.t_predicted_ms / t.n_predicted if t.n_predicted > 0 else 0.0,
         predicted_per_second=1e3 / t.t_predicted_ms * t.n_predicted if t.t_predicted_ms > 0 else 0.0,
+        draft_n=getattr(t, "n_draft", None),
+        draft_n_accepted=getattr(t, "n_draft_accepted", None),
     )
 
 

@@ -29,6 +29,8 @@ COUNTERS = (
     ("spec_decode_num_draft_tokens_total", "Speculative: total draft tokens generated"),
     ("spec_decode_num_accepted_tokens_total", "Speculative: total draft tokens accepted by the target model"),
     ("spec_decode_num_drafts_total", "Speculative: total verification steps"),
+    ("step_seconds_total", "rigserve: time in engine steps that decoded a batch"),
+    ("step_engine_seconds_total", "rigserve: of which inside llama_decode and the wait for the device"),
 )
 GAUGES = (
     ("n_tokens_max", "Largest observed sequence length (prompt + generation)"),

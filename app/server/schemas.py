@@ -95,6 +95,10 @@ class GenerationFields(_Request):
     n_indent: int | None = Field(None, ge=0, le=INT32_MAX)
     timings_per_token: bool | None = None
     response_fields: list[str] | None = None
+    # speculative decoding overrides, under llama-server's (dotted) JSON names
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=INT32_MAX)
+    speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0, le=INT32_MAX)
+    speculative_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
 
 
 class CompletionRequest(GenerationFields):
@@ -266,6 +270,8 @@ class TimingsOut(_Response):
     predicted_ms: float
     predicted_per_token_ms: float
     predicted_per_second: float
+    draft_n: int | None = Opt()  # only when the server speculates, as upstream
+    draft_n_accepted: int | None = Opt()
 
 
 class PromptTokensDetails(_Response):
