@@ -64,6 +64,7 @@ class Scheduler:
         self.outbox: list[tuple[Callable, Message]] = []
         self.n_steps = 0
         self.n_tokens_decoded = 0
+        self.n_prompt_cached_total = 0  # prompt tokens reused (slot prefix, prompt cache or checkpoint)
         self.t_step_total = 0.0  # seconds in steps that decoded something
         self.t_engine_total = 0.0  # of which inside llama_decode and the wait for the device
         self.n_prompt_total = 0
@@ -233,6 +234,7 @@ class Scheduler:
             if slot.state is SlotState.PREFILL:
                 task.t_first = now
                 n_new = len(task.prompt) - task.n_cached
+                self.n_prompt_cached_total += task.n_cached
                 self.n_prompt_total += n_new
                 self.t_prompt_total += now - task.t_start
                 self._post(task, ("prompt", n_new, task.n_cached, (now - task.t_start) * 1e3, slot.id))

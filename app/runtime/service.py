@@ -302,6 +302,8 @@ class Runtime:
             "tokens_predicted_seconds_total": s.t_gen_total,
             "n_decode_total": s.n_steps,
             "n_tokens_decoded_total": s.n_tokens_decoded,
+            "prompt_tokens_cached_total": s.n_prompt_cached_total,
+            **_memory_stats(s.memory),
             "step_seconds_total": s.t_step_total,
             "step_engine_seconds_total": s.t_engine_total,
             "requests_processing": busy,
@@ -319,6 +321,19 @@ class Runtime:
 def _spec_n_max(s: Any) -> int:
     spec = getattr(s, "spec", None)
     return spec.n_max if spec is not None and spec.type != "none" else 0
+
+
+def _memory_stats(memory) -> dict:
+    """Prompt cache, checkpoint and buffer pool figures, named for /metrics."""
+    c = memory.cache.stats()
+    p = memory.pool.stats()
+    return {
+        "prompt_cache_hits_total": c["n_hits"], "prompt_cache_misses_total": c["n_misses"],
+        "prompt_cache_tokens_restored_total": c["n_tokens_restored"], "prompt_cache_entries": c["n_entries"],
+        "prompt_cache_bytes": c["bytes_used"], "checkpoints_held": sum(len(k) for k in memory.ckpts),
+        "checkpoints_bytes": sum(k.nbytes for k in memory.ckpts), "buffer_pool_bytes": p.bytes_total,
+        "buffer_pool_free_bytes": p.bytes_free,
+    }
 
 
 def _deliver(msgs: list) -> None:

@@ -29,6 +29,9 @@ COUNTERS = (
     ("spec_decode_num_draft_tokens_total", "Speculative: total draft tokens generated"),
     ("spec_decode_num_accepted_tokens_total", "Speculative: total draft tokens accepted by the target model"),
     ("spec_decode_num_drafts_total", "Speculative: total verification steps"),
+    ("prompt_cache_hits_total", "rigserve: prompts that restored a host prompt-cache entry"),
+    ("prompt_cache_misses_total", "rigserve: prompt-cache lookups that found nothing worth restoring"),
+    ("prompt_cache_tokens_restored_total", "rigserve: prompt tokens restored from the host prompt cache"),
     ("step_seconds_total", "rigserve: time in engine steps that decoded a batch"),
     ("step_engine_seconds_total", "rigserve: of which inside llama_decode and the wait for the device"),
 )
@@ -37,6 +40,12 @@ GAUGES = (
     ("requests_processing", "Number of requests processing"),
     ("requests_deferred", "Number of requests waiting for a slot"),
     ("n_busy_slots_per_decode", "Average number of busy slots per decode step"),
+    ("prompt_cache_entries", "rigserve: entries in the host prompt cache"),
+    ("prompt_cache_bytes", "rigserve: host RAM held by the prompt cache"),
+    ("checkpoints_held", "rigserve: checkpoints held by all slots"),
+    ("checkpoints_bytes", "rigserve: host RAM held by the slots' checkpoints"),
+    ("buffer_pool_bytes", "rigserve: bytes in the pooled state buffers, in use or free"),
+    ("buffer_pool_free_bytes", "rigserve: pooled state buffers ready for reuse"),
 )
 
 
