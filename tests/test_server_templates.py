@@ -77,3 +77,22 @@ def test_kwargs_and_tool_messages_pass_through():
             {"role": "tool", "content": "1", "tool_call_id": "c"}]
     out = ChatTemplate(src).render(msgs, kwargs={"custom": "!", "enable_thinking": False})
     assert out == "assistant:Nonef|tool:1|False!"
+
+
+def test_user_message_starts_are_prefix_token_counts():
+    from app.server.convert import render_chat, user_message_starts
+    from app.server.schemas import ChatCompletionRequest
+
+    tpl = ChatTemplate("chatml")
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]})
+    text = render_chat(tpl, req, True)
+
+    def tokenize(s, add_special, parse_special):  # one token per character: positions are prefix lengths
+        return list(s.encode())
+
+    starts = user_message_starts(tpl, req, True, text, tokenize)
+    assert len(starts) == 2
+    assert text.encode()[starts[0]:].startswith(b"<|im_start|>user\nhi")
+    assert text.encode()[starts[1]:].startswith(b"<|im_start|>user\nagain")

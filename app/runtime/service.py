@@ -253,6 +253,12 @@ class Runtime:
         handle.attach(task)
         self._inbox.put(task)
 
+    @property
+    def needs_checkpoints(self) -> bool:
+        """The model's memory can't be cut at any position (recurrent, hybrid, SWA): the server then tells the
+        runtime where user messages begin, so checkpoints land on turn boundaries."""
+        return self._sched is not None and self._sched.memory.needs_ckpt
+
     def slot_actions(self) -> Any:
         """Save/restore/erase of slots (needs --slot-save-path)."""
         if getattr(self, "_slot_actions", None) is None:

@@ -277,5 +277,32 @@ async def chat_request(req: ChatCompletionRequest, state: ServerState) -> tuple[
     tokens = await state.offload(rt.tokenize, text, True, True, size=len(text))
     n_probs, top = chat_n_probs(req)
     grammar, schema = _chat_structured(req)
-    return generation_request(req, tokens, state, rt.tokenize, n_probs=n_probs, grammar=grammar,
-                              json_schema=schema), top
+    gen = generation_request(req, tokens, state, rt.tokenize, n_probs=n_probs, grammar=grammar, json_schema=schema)
+    if getattr(rt, "needs_checkpoints", False):
+        gen.user_starts = await state.offload(user_message_starts, state.template, req, jinja, text, rt.tokenize,
+                                              size=len(text) * 4)
+    return gen, top
+
+
+def user_message_starts(template: ChatTemplate, req: ChatCompletionRequest, jinja: bool, text: str,
+                        tokenize: Tokenize) -> list[int]:
+    """Token positions where the user messages after the first begin: where the runtime checkpoints a model
+    whose memory can't be cut, so the next turn of the conversation resumes from there.
+
+    Each position is the token count of the conversation rendered up to that message; a template whose
+    shorter renderings are not prefixes of the full one gives no positions (no boundary checkpoints).
+    """
+    messages = chat_messages(req, jinja)
+    starts = []
+    for k in range(1, len(messages)):
+        if messages[k].get("role") != "user":
+            continue
+        try:
+            prefix = template.render(messages[:k], add_generation_prompt=False, tools=req.tools,
+                                     kwargs=req.chat_template_kwargs)
+        except TemplateError:
+            return []
+        if not text.startswith(prefix):
+            return []
+        starts.append(len(tokenize(prefix, True, True)))
+    return starts
