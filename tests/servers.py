@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from app.bench.report import LIB_DIR, free_port, wait_healthy
+from app.bench.report import LIB_DIR, free_port, stop_process, wait_healthy
 
 
 def upstream_server_bin() -> Path:
@@ -40,10 +40,5 @@ def running_server(kind: str, model: Path, args: list[str]) -> Iterator[str]:
             raise RuntimeError(f"{e}\n--- log tail ---\n{log.read()[-4000:]}") from None
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()

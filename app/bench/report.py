@@ -43,6 +43,16 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log_path: 
     raise SystemExit(f"server not ready after {timeout_s:.0f}s; see {log_path}")
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    """Terminate a server process, killing it if it does not exit in time, and reap it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _fmt(v: float) -> str:
     if abs(v) >= 100:
         return f"{v:,.0f}"

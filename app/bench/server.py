@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from app.bench.report import free_port, lib_tool, print_table, save_plot, wait_healthy
+from app.bench.report import free_port, lib_tool, print_table, save_plot, stop_process, wait_healthy
 
 
 @dataclass
@@ -132,11 +132,7 @@ def _run_one(kind: str, cfg: ServerBenchConfig, n_streams: int, log_dir: Path) -
             wait_healthy(base, proc, timeout_s=600, log_path=log_path)
             return asyncio.run(_wave(base, cfg, n_streams))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 30)
 
 
 def run_server_bench(cfg: ServerBenchConfig) -> int:

@@ -114,7 +114,6 @@ class Runtime:
             raise
         self._drafter = drafter
         self._model = model
-        self._placeholder_samplers = samplers
         from app.runtime.structured import matcher_factory
 
         return Scheduler(
